@@ -1,0 +1,422 @@
+"""`DeepseekV4Attention`: the layer, as a thin NNX module over a pure, compiled step.
+
+One call runs the stages of vLLM's `attention_impl`, in order (names as in vLLM):
+
+1. input GEMMs: ``wq_a`` + q_norm -> q_residual; ``wkv`` + kv_norm; the compressors'
+   kv/gate projections; the indexer's head weights           (always in-graph)
+2. ``wq_b_kv_insert``: ``wq_b``, per-head q norm, RoPE on q and kv, window-cache insert
+3. ``compressor``: gated pooling of completed windows into compressed entries (CSA/HCA)
+4. ``indexer``: its own key compressor, queries, scores, top-k (CSA)
+5. sparse attention: window keys + picked (CSA) / visible (HCA) entries + sink
+6. output: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``
+
+Stages 2-4 are `run_stages`, written once for XLA and NumPy; `break_mode` decides which of
+them run in a host break (see `breaks`). Stages 1, 5 and 6 are always in-graph.
+
+Shapes: B batch, S new tokens, H heads, D head_dim, W window, T entry slots, K index_topk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from . import breaks, validation
+from .backend import Array, einsum
+from .cache import AttentionCache, CompressorCache, init_attention_cache
+from .compressor import CompressorWeights, compress, project, visible_entries
+from .config import CSA, HCA, SLIDING, DeepseekV4Config
+from .indexer import IndexerWeights, head_weights, index_queries
+from .norms import head_rms_norm, rms_norm
+from .rope import apply_rope, attention_factor, inv_freq
+from .sparse_attention import insert_window, sparse_attention, window_indices
+
+
+# ---------------------------------------------------------------------------- pytrees
+@struct.dataclass
+class AttentionWeights:
+    """The layer's parameters as plain arrays (JAX [in, out] layout; what the step consumes).
+
+    q_a_proj [hidden, Lq], q_a_norm [Lq], q_b_proj [Lq, H*D], kv_proj [hidden, D],
+    kv_norm [D], o_a_proj [G, H*D/G, R], o_b_proj [G*R, hidden], sinks [H];
+    compressor (CSA/HCA) and indexer (CSA) or None.
+    """
+
+    q_a_proj: Array
+    q_a_norm: Array
+    q_b_proj: Array
+    kv_proj: Array
+    kv_norm: Array
+    o_a_proj: Array
+    o_b_proj: Array
+    sinks: Array
+    compressor: CompressorWeights | None = None
+    indexer: IndexerWeights | None = None
+
+
+@struct.dataclass
+class StageInputs:
+    """What the in-graph input GEMMs hand to stages 2-4 (one call's tokens)."""
+
+    q_residual: Array  # [B, S, Lq]   q_norm(x wq_a), also the indexer's query input
+    kv: Array  # [B, S, D]           kv_norm(x wkv), not rotated yet
+    compressor_kv: Array | None = None  # [B, S, n*D]
+    compressor_gate: Array | None = None
+    indexer_kv: Array | None = None  # [B, S, 2c]
+    indexer_gate: Array | None = None
+    indexer_weights: Array | None = None  # [B, S, nI] float32
+
+
+@struct.dataclass
+class StageOutputs:
+    q: Array  # [B, S, H, D] rotated queries
+    kv: Array  # [B, S, D]    rotated keys (= values) of this call
+    window: Array  # [B, W, D] window cache after the insert
+    compressor: CompressorCache | None = None
+    indexer: CompressorCache | None = None
+    picks: Array | None = None  # [B, S, K] int32, -1 = nothing (CSA)
+    index_scores: Array | None = None  # [B, S, T] float32 (CSA, only when intermediates are asked)
+
+
+@struct.dataclass
+class Intermediates:
+    """What `attn(..., return_intermediates=True)` also returns (None where a layer type lacks it).
+
+    index_scores    [B, S, T] float32  indexer scores over the entry slots, -inf where not visible (CSA)
+    topk            [B, S, K] int32    the indexer's picks, -1 = nothing (CSA)
+    compressed_kv   [B, T, D]          compressed entries after this call (CSA/HCA); rows
+                                       ``>= num_entries`` are empty slots
+    num_entries     [B] int32          entries that exist after this call
+    visible_entries [B, S] int32       entries each query may see, ``(t + 1) // m`` (CSA/HCA)
+    queries         [B, S, H, D]       rotated, normed attention queries
+    sink_mass       [B, S, H] float32  share of each query's attention on the sink
+    window_mass     [B, S, H] float32  ... on its window keys
+    compressed_mass [B, S, H] float32  ... on compressed entries (0 on sliding layers)
+    """
+
+    queries: Array
+    sink_mass: Array
+    window_mass: Array
+    compressed_mass: Array
+    index_scores: Array | None = None
+    topk: Array | None = None
+    compressed_kv: Array | None = None
+    num_entries: Array | None = None
+    visible_entries: Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything static about a compiled step (hashable: a `jax.jit` static argument)."""
+
+    cfg: DeepseekV4Config
+    layer_type: str
+    break_mode: str
+    dtype: Any  # compute dtype (jnp.dtype)
+    precision: Any = None
+    query_block: int = 256
+    return_intermediates: bool = False
+
+    @property
+    def ratio(self) -> int:
+        return self.cfg.compress_rate(self.layer_type)
+
+    @property
+    def rope_kind(self) -> str:
+        return self.cfg.rope_kind(self.layer_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _freqs(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
+    return inv_freq(cfg, kind)
+
+
+# ---------------------------------------------------------------------------- stages 2-4
+def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec):
+    """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert."""
+    cfg, dtype = spec.cfg, spec.dtype
+    freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
+    q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
+    q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
+    q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale)
+    kv = apply_rope(kv, positions, freqs, scale=scale)
+    return q, kv, insert_window(window, kv, length)
+
+
+def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: AttentionWeights,
+               spec: StepSpec, select=None) -> StageOutputs:
+    """Stages 2-4 (`wq_b_kv_insert`, `compressor`, `indexer`); XLA or NumPy (see `breaks`).
+
+    `select` is the indexer's selection (in-graph, or the narrow host break); the wide
+    break runs this whole function on the host with the NumPy selection.
+    """
+    cfg = spec.cfg
+    select = select or breaks.indexer_select("none")
+    length = cache.length
+    compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
+    common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps)
+
+    q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
+                                   weights.q_b_proj, spec)
+    out = StageOutputs(q=q, kv=kv, window=window)
+    if spec.layer_type == SLIDING:
+        return out
+
+    cw = weights.compressor
+    comp_state, _ = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
+                             position_bias=cw.position_bias, kv_norm=cw.kv_norm,
+                             overlap=spec.layer_type == CSA, **common)
+    out = out.replace(compressor=comp_state)
+    if spec.layer_type == HCA:
+        return out
+
+    iw = weights.indexer
+    index_state, _ = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
+                              position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
+                              overlap=True, **common)
+    queries = index_queries(inputs.q_residual, iw.q_b_proj, positions, compress_freqs,
+                            n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
+                            precision=spec.precision)
+    visible = visible_entries(positions, spec.ratio)
+    selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
+                      top_k=cfg.index_topk, with_scores=spec.return_intermediates)
+    picks, scores = selected if spec.return_intermediates else (selected, None)
+    return out.replace(indexer=index_state, picks=picks, index_scores=scores)
+
+
+# ---------------------------------------------------------------------------- the step
+def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_states, positions,
+                   spec: StepSpec):
+    """One call of the layer as a pure function: (out [B, S, hidden], new cache, intermediates).
+
+    Pure and jittable; `DeepseekV4Attention.__call__` validates the inputs, then runs this
+    under `jax.jit` with `spec` static.
+    """
+    cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
+    x = hidden_states.astype(dtype)
+    positions = positions.astype(jnp.int32)
+    length = jnp.asarray(cache.length, jnp.int32)
+    cache = cache.replace(length=length)
+
+    # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
+    q_residual = rms_norm(einsum("bsh,hl->bsl", x, weights.q_a_proj, out_dtype=dtype, precision=prec),
+                          weights.q_a_norm, cfg.rms_norm_eps)
+    kv = rms_norm(einsum("bsh,hd->bsd", x, weights.kv_proj, out_dtype=dtype, precision=prec),
+                  weights.kv_norm, cfg.rms_norm_eps)
+    inputs = StageInputs(q_residual=q_residual, kv=kv)
+    if weights.compressor is not None:
+        ckv, cgate = project(x, weights.compressor, dtype, prec)
+        inputs = inputs.replace(compressor_kv=ckv, compressor_gate=cgate)
+    if weights.indexer is not None:
+        ikv, igate = project(x, weights.indexer.compressor, dtype, prec)
+        inputs = inputs.replace(indexer_kv=ikv, indexer_gate=igate,
+                                indexer_weights=head_weights(x, weights.indexer.weights_proj,
+                                                             cfg.index_n_heads, dtype, prec))
+
+    # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
+    if spec.break_mode == "wide":
+        stage_fn = functools.partial(run_stages, spec=spec, select=breaks.indexer_select("none"))
+        stages = breaks.host_call(stage_fn, inputs, cache, positions, weights)
+    else:
+        stages = run_stages(inputs, cache, positions, weights, spec, breaks.indexer_select(spec.break_mode))
+
+    # 5. Sparse attention over [window | picked or visible entries] with the sink.
+    pool = jnp.concatenate([cache.window, stages.kv], axis=1)  # [B, W+S, D]
+    entries = stages.compressor.entries if stages.compressor is not None else None
+    visible = visible_entries(positions, spec.ratio) if spec.layer_type != SLIDING else None
+    attended = sparse_attention(
+        stages.q, pool, window_indices(positions, length, cfg.sliding_window), weights.sinks,
+        entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
+        block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
+    )
+    o = attended[0] if spec.return_intermediates else attended
+
+    # 6. Inverse RoPE at the query position, grouped low-rank output projection.
+    out = output_projection(o, positions, weights, spec)
+
+    new_cache = cache.replace(length=length + x.shape[1], window=stages.window,
+                              compressor=stages.compressor, indexer=stages.indexer)
+    intermediates = None
+    if spec.return_intermediates:
+        _, sink_mass, window_mass, compressed_mass = attended
+        intermediates = Intermediates(
+            queries=stages.q, sink_mass=sink_mass, window_mass=window_mass, compressed_mass=compressed_mass,
+            index_scores=stages.index_scores, topk=stages.picks, compressed_kv=entries,
+            num_entries=None if entries is None else (length + x.shape[1]) // spec.ratio,
+            visible_entries=visible,
+        )
+    return out, new_cache, intermediates
+
+
+def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
+    """Stage 6: o [B, S, H, D] -> de-rotated -> groups [B, S, G, H*D/G] -> wo_a -> wo_b [B, S, hidden]."""
+    cfg, dtype = spec.cfg, spec.dtype
+    o = apply_rope(o, positions[..., None], _freqs(cfg, spec.rope_kind), inverse=True,
+                   scale=attention_factor(cfg, spec.rope_kind))
+    grouped = o.reshape(*o.shape[:2], cfg.o_groups, -1)
+    z = einsum("bsgi,gir->bsgr", grouped, weights.o_a_proj, out_dtype=dtype, precision=spec.precision)
+    z = z.reshape(*z.shape[:2], -1)
+    return einsum("bsr,rh->bsh", z, weights.o_b_proj, out_dtype=dtype, precision=spec.precision)
+
+
+_step = jax.jit(attention_step, static_argnames=("spec",))
+_step_donating = jax.jit(attention_step, static_argnames=("spec",), donate_argnames=("cache",))
+
+
+# ---------------------------------------------------------------------------- NNX modules
+def _projection(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
+    """A projection kernel [..., in, out] with variance 1/in (activations stay O(1))."""
+    init = nnx.initializers.normal(stddev=shape[-2] ** -0.5)
+    return nnx.Param(init(rngs.params(), shape, dtype))
+
+
+class Compressor(nnx.Module):
+    """Parameters of a gated-pooling compressor (names as HF's `compressor.*`)."""
+
+    def __init__(self, hidden: int, width: int, dim: int, ratio: int, *, rngs: nnx.Rngs, param_dtype):
+        self.kv_proj = _projection(rngs, (hidden, width), param_dtype)
+        self.gate_proj = _projection(rngs, (hidden, width), param_dtype)
+        self.position_bias = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
+        self.kv_norm = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+    def weights(self) -> CompressorWeights:
+        return CompressorWeights(kv_proj=self.kv_proj[...], gate_proj=self.gate_proj[...],
+                                 position_bias=self.position_bias[...], kv_norm=self.kv_norm[...])
+
+
+class Indexer(nnx.Module):
+    """Parameters of the lightning indexer (HF `compressor.indexer.*`, official `indexer.*`)."""
+
+    def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, param_dtype):
+        c = cfg.index_head_dim
+        self.q_b_proj = _projection(rngs, (cfg.q_lora_rank, cfg.index_n_heads * c), param_dtype)
+        self.weights_proj = _projection(rngs, (cfg.hidden_size, cfg.index_n_heads), param_dtype)
+        self.compressor = Compressor(cfg.hidden_size, 2 * c, c, cfg.csa_compress_rate, rngs=rngs,
+                                     param_dtype=param_dtype)
+
+    def weights(self) -> IndexerWeights:
+        return IndexerWeights(q_b_proj=self.q_b_proj[...], weights_proj=self.weights_proj[...],
+                              compressor=self.compressor.weights())
+
+
+class DeepseekV4Attention(nnx.Module):
+    """DeepSeek-V4 attention (sliding / CSA / HCA by `cfg.layer_types[layer_idx]`), with a cache.
+
+    >>> attn = DeepseekV4Attention(cfg, layer_idx=1, rngs=nnx.Rngs(0))
+    >>> cache = attn.init_cache(batch_size=2, max_seq_len=4096)
+    >>> out, cache = attn(hidden_states, positions, cache)   # [B,S,hidden], int32 [B,S]
+
+    Arguments:
+      break_mode:   "narrow" (default; indexer scoring + top-k in a host break), "none"
+                    (all in-graph) or "wide" (wq_b_kv_insert + compressors + indexer on
+                    the host). Same picks and outputs in every mode. An attribute: it
+                    may be changed between calls (each mode compiles once).
+      dtype:        compute dtype; None = promote(hidden_states.dtype, param_dtype).
+      param_dtype:  dtype of the projection weights. Norm weights, sinks and position biases
+                    stay float32, as the reference keeps them.
+      precision:    `jax.lax.Precision` of the matmuls (None = backend default; on GPUs the
+                    default may use TF32 for float32 inputs).
+      query_block:  queries processed at a time in sparse attention (bounds memory).
+      donate_cache: donate the input cache's buffers to the step (in-place updates; the
+                    cache passed in becomes unusable after a successful call).
+
+    Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
+    ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
+    ``o_a_proj [G, H*D/G, R]``, ``o_b_proj [G*R, hidden]``, ``sinks [H]``; ``compressor``
+    (CSA/HCA) and ``indexer`` (CSA) submodules. Load HF weights with
+    `dsv4_jax.load_hf_attention_weights`.
+    """
+
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs,
+                 break_mode: str = "narrow", dtype=None, param_dtype=jnp.float32, precision=None,
+                 query_block: int = 256, donate_cache: bool = False):
+        if not isinstance(config, DeepseekV4Config):
+            raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_type(layer_idx)
+        self.break_mode = breaks.check_break_mode(break_mode)
+        self.dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
+        self.param_dtype = validation.check_float_dtype("param_dtype", param_dtype)
+        self.precision = precision
+        if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
+            raise ValueError(f"query_block: expected a positive int, got {query_block!r}")
+        self.query_block = query_block
+        self.donate_cache = bool(donate_cache)
+
+        c, h, d = config, config.num_attention_heads, config.head_dim
+        pd = self.param_dtype
+        self.q_a_proj = _projection(rngs, (c.hidden_size, c.q_lora_rank), pd)
+        self.q_a_norm = nnx.Param(jnp.ones((c.q_lora_rank,), jnp.float32))
+        self.q_b_proj = _projection(rngs, (c.q_lora_rank, h * d), pd)
+        self.kv_proj = _projection(rngs, (c.hidden_size, d), pd)
+        self.kv_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.o_a_proj = _projection(rngs, (c.o_groups, h * d // c.o_groups, c.o_lora_rank), pd)
+        self.o_b_proj = _projection(rngs, (c.o_groups * c.o_lora_rank, c.hidden_size), pd)
+        self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
+        compressed = self.layer_type in (CSA, HCA)
+        width = 2 * d if self.layer_type == CSA else d
+        self.compressor = (
+            Compressor(c.hidden_size, width, d, c.compress_rate(self.layer_type), rngs=rngs, param_dtype=pd)
+            if compressed else None
+        )
+        self.indexer = Indexer(c, rngs=rngs, param_dtype=pd) if self.layer_type == CSA else None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype) if self.dtype is not None else None
+
+    def init_cache(self, batch_size: int, max_seq_len: int, dtype=None) -> AttentionCache:
+        """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
+
+        dtype: the cache dtype; defaults to the compute dtype (`dtype`, else `param_dtype`).
+        """
+        dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
+        dtype = dtype or self.dtype or self.param_dtype
+        return init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype)
+
+    def weights(self) -> AttentionWeights:
+        """The current parameters as an `AttentionWeights` pytree of arrays."""
+        return AttentionWeights(
+            q_a_proj=self.q_a_proj[...], q_a_norm=self.q_a_norm[...], q_b_proj=self.q_b_proj[...],
+            kv_proj=self.kv_proj[...], kv_norm=self.kv_norm[...], o_a_proj=self.o_a_proj[...],
+            o_b_proj=self.o_b_proj[...], sinks=self.sinks[...],
+            compressor=None if self.compressor is None else self.compressor.weights(),
+            indexer=None if self.indexer is None else self.indexer.weights(),
+        )
+
+    def step_spec(self, hidden_dtype, return_intermediates: bool = False) -> StepSpec:
+        """The static description of the compiled step this layer runs for such inputs."""
+        breaks.check_break_mode(self.break_mode)
+        dtype = jnp.dtype(self.dtype) if self.dtype is not None else jnp.promote_types(hidden_dtype, self.param_dtype)
+        return StepSpec(cfg=self.config, layer_type=self.layer_type, break_mode=self.break_mode,
+                        dtype=jnp.dtype(dtype), precision=self.precision, query_block=self.query_block,
+                        return_intermediates=bool(return_intermediates))
+
+    def __call__(self, hidden_states, positions, cache: AttentionCache, *, return_intermediates: bool = False):
+        """Run the layer on S new tokens per row and return ``(out, cache)``.
+
+        hidden_states: [B, S, hidden] float; positions: int [B, S], must continue the cache
+        (row b: ``cache.length[b] .. cache.length[b] + S - 1``; rows share one length for now).
+        With ``return_intermediates=True`` returns ``(out, cache, Intermediates)``; off by
+        default, and then nothing extra is computed (it is a separate compiled step).
+
+        Runs compiled code: the first call of each (shape, break_mode) compiles, later calls
+        (e.g. every decode step) reuse it. Inside a user's `jax.jit`/`nnx.jit` it is traced.
+        """
+        spec, host_length = validation.check_call(self, hidden_states, positions, cache, return_intermediates)
+        step = _step_donating if self.donate_cache else _step
+        out, new_cache, intermediates = step(self.weights(), cache, hidden_states, positions, spec=spec)
+        if host_length is not None:
+            # Host-side bookkeeping: the next call's checks need no device round trip.
+            new_cache = new_cache.replace(length=host_length + np.int32(hidden_states.shape[1]))
+        if return_intermediates:
+            return out, new_cache, intermediates
+        return out, new_cache

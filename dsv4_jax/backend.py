@@ -1,0 +1,130 @@
+"""Array-namespace helpers: one copy of the math, run by XLA or by NumPy.
+
+The stages that may sit inside a host break (`wq_b_kv_insert`, the compressors, the indexer)
+are written once against the part of the NumPy API that `jax.numpy` shares. Called with
+`jax.Array`s (or tracers) they are traced into the jitted step; called with `np.ndarray`s
+inside a `jax.pure_callback` they are the "NumPy twin" that runs on the host. The few
+operations whose spelling differs (scatter, stable top-k, matmul with an accumulation dtype,
+blocking over queries) live here.
+
+Dtype rule for matmuls, both namespaces: accumulate in float32, round the result once to
+`out_dtype`. That is what a PyTorch bf16 matmul does and what the reference does in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any  # jax.Array or np.ndarray
+
+
+def namespace(*arrays: Array):
+    """`jax.numpy` if any argument is a JAX array or tracer, else `numpy`."""
+    for a in arrays:
+        if isinstance(a, jax.Array):
+            return jnp
+    return np
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) -> Array:
+    """Two-operand einsum with float32 accumulation, rounded once to `out_dtype`."""
+    xp = namespace(a, b)
+    if xp is np:
+        # NumPy has no bf16 kernels: compute in float32 (which is what accumulation means here).
+        out = np.einsum(subscripts, np.asarray(a, np.float32), np.asarray(b, np.float32), optimize=True)
+        return out.astype(out_dtype)
+    out = jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def scatter_rows(target: Array, index: Array, values: Array) -> Array:
+    """`target[b, index[b, j]] = values[b, j]`; entries with an out-of-range index are dropped.
+
+    target: [B, N, ...], index: [B, J] int, values: [B, J, ...] -> [B, N, ...] (a new array).
+    """
+    xp = namespace(target, index, values)
+    batch = xp.arange(target.shape[0])[:, None]
+    if xp is jnp:
+        return target.at[batch, index].set(values.astype(target.dtype), mode="drop")
+    out = np.array(target, copy=True)
+    keep = (index >= 0) & (index < target.shape[1])
+    b, j = np.nonzero(keep)
+    out[b, index[b, j]] = values[b, j].astype(out.dtype)
+    return out
+
+
+def top_k_stable(scores: Array, k: int) -> Array:
+    """Indices of the `k` largest scores along the last axis, ties to the lower index.
+
+    Ordered by descending score, equal scores by ascending index; `-inf` entries come last in
+    index order. `scores` must hold no NaN and no negative zero (see `indexer.index_scores`).
+    Returns int32 [..., k].
+    """
+    if namespace(scores) is jnp:
+        return jax.lax.top_k(scores, k)[1].astype(jnp.int32)  # lax.top_k is stable
+    return _np_top_k_stable(np.asarray(scores), k)
+
+
+def _np_top_k_stable(scores: np.ndarray, k: int) -> np.ndarray:
+    """NumPy twin of `lax.top_k`: O(T) selection, then a stable sort of the k winners."""
+    lead, n = scores.shape[:-1], scores.shape[-1]
+    rows = scores.reshape(-1, n)
+    if k == n:
+        order = np.argsort(-rows, axis=-1, kind="stable")
+        return order.astype(np.int32).reshape(*lead, k)
+    # The k-th largest value per row; everything above it is in, ties at it go lowest-index first.
+    kth = -np.partition(-rows, k - 1, axis=-1)[:, k - 1 : k]
+    above = rows > kth
+    tied = rows == kth
+    need = k - above.sum(axis=-1, keepdims=True)
+    chosen = above | (tied & (np.cumsum(tied, axis=-1) <= need))
+    idx = np.nonzero(chosen)[1].reshape(rows.shape[0], k)  # ascending index within each row
+    picked = np.take_along_axis(rows, idx, axis=-1)
+    order = np.argsort(-picked, axis=-1, kind="stable")
+    return np.take_along_axis(idx, order, axis=-1).astype(np.int32).reshape(*lead, k)
+
+
+def map_query_blocks(fn: Callable[..., Any], per_query: Sequence[Array], shared: Sequence[Array], block: int):
+    """Apply `fn(*per_query_block, *shared)` over blocks of the query axis (axis 1).
+
+    Bounds peak memory of long prefills: every per-query intermediate exists for `block`
+    queries at a time. `per_query` arrays are [B, S, ...] (or None, passed through); `fn`
+    returns a pytree of [B, s, ...] arrays. On XLA the blocks run in a `lax.map` loop, on
+    NumPy in a Python loop.
+    """
+    present = [a for a in (*per_query, *shared) if a is not None]
+    xp = namespace(*present)
+    seq = per_query[0].shape[1]
+    if seq <= block:
+        return fn(*per_query, *shared)
+    if xp is np:
+        outs = [
+            fn(*(None if a is None else a[:, i : i + block] for a in per_query), *shared)
+            for i in range(0, seq, block)
+        ]
+        return jax.tree.map(lambda *parts: np.concatenate(parts, axis=1), *outs)
+    n_blocks = -(-seq // block)
+    pad = n_blocks * block - seq
+
+    def to_blocks(a):
+        if a is None:
+            return None
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(a.shape[0], n_blocks, block, *a.shape[2:])
+        return jnp.moveaxis(a, 1, 0)
+
+    def from_blocks(a):
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape(a.shape[0], n_blocks * block, *a.shape[3:])[:, :seq]
+
+    outs = jax.lax.map(lambda xs: fn(*xs, *shared), tuple(to_blocks(a) for a in per_query))
+    return jax.tree.map(from_blocks, outs)

@@ -1,0 +1,123 @@
+"""The attention cache: a pytree of fixed-shape arrays sized by `max_seq_len`.
+
+Unlike HF's DynamicCache (which grows by concatenation and so cannot be compiled), every
+field here has a shape fixed at `init_cache` time, so a whole prefill or decode step
+compiles into one XLA program, and decode steps reuse it.
+
+Layout for a batch of B rows, window W, compress ratio m, T = max_seq_len // m entries:
+
+==================  ====================  ===============================================
+field               shape                 meaning
+==================  ====================  ===============================================
+length              [B] int32             tokens seen per row (host NumPy when possible)
+window              [B, W, D]             rotated K=V of the last W tokens, slot p % W
+compressor          CompressorCache       CSA/HCA layers: compressed KV entries + state
+indexer             CompressorCache       CSA layers: the indexer's own key compressor
+==================  ====================  ===============================================
+
+`length` is kept as a host (NumPy) array by the layer's eager call path: the checks that
+need its value (positions continue the cache, room is left) run before dispatch, without
+a device round trip, and a rejected call never touches the device state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .backend import Array
+from .config import CSA, HCA, SLIDING
+
+
+@struct.dataclass
+class CompressorCache:
+    """State of one gated-pooling compressor (spec section 5.5).
+
+    entries:      [B, T, Dc]      compressed entries emitted so far (entry w at row w);
+                                  the count is ``length // ratio``
+    buffer_kv:    [B, m, n*Dc]    raw kv projections of the unfinished window (slot p % m)
+    buffer_gate:  [B, m, n*Dc]    raw gate projections (without position bias), same slots
+    overlap_kv:   [B, m, Dc]      CSA only: Ca half of the last completed window
+    overlap_gate: [B, m, Dc]      CSA only: its gate logits *with* position bias, float32
+
+    n = 2 for the overlapping CSA layout, 1 for HCA. Rows of `buffer_*` at or beyond
+    ``length % m`` and rows of `entries` at or beyond ``length // m`` hold no data.
+    """
+
+    entries: Array
+    buffer_kv: Array
+    buffer_gate: Array
+    overlap_kv: Array | None = None
+    overlap_gate: Array | None = None
+
+
+@struct.dataclass
+class AttentionCache:
+    """Per-layer cache of `DeepseekV4Attention` (see the module docstring for the layout)."""
+
+    length: Array
+    window: Array
+    compressor: CompressorCache | None = None
+    indexer: CompressorCache | None = None
+    layer_idx: int = struct.field(pytree_node=False, default=-1)
+    layer_type: str = struct.field(pytree_node=False, default=SLIDING)
+    max_seq_len: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.window.shape[0])
+
+    @property
+    def dtype(self):
+        return self.window.dtype
+
+
+def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, overlap: bool, dtype) -> CompressorCache:
+    width = 2 * dim if overlap else dim
+    return CompressorCache(
+        entries=jnp.zeros((batch, entries, dim), dtype),
+        buffer_kv=jnp.zeros((batch, ratio, width), dtype),
+        buffer_gate=jnp.zeros((batch, ratio, width), dtype),
+        overlap_kv=jnp.zeros((batch, ratio, dim), dtype) if overlap else None,
+        overlap_gate=jnp.zeros((batch, ratio, dim), jnp.float32) if overlap else None,
+    )
+
+
+def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int, dtype) -> AttentionCache:
+    """An empty cache for layer `layer_idx` of `cfg` (all zeros, length 0)."""
+    layer_type = cfg.layer_type(layer_idx)
+    for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    batch_size, max_seq_len = int(batch_size), int(max_seq_len)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype: expected a floating dtype for the cache, got {dtype}")
+    compressor = indexer = None
+    if layer_type in (CSA, HCA):
+        ratio = cfg.compress_rate(layer_type)
+        # At least one slot, so that gathers never index an empty axis; unused slots are masked.
+        entry_slots = max(1, max_seq_len // ratio)
+        compressor = init_compressor_cache(
+            batch_size, entry_slots, ratio, cfg.head_dim, overlap=layer_type == CSA, dtype=dtype
+        )
+        if layer_type == CSA:
+            indexer = init_compressor_cache(
+                batch_size, entry_slots, ratio, cfg.index_head_dim, overlap=True, dtype=dtype
+            )
+    return AttentionCache(
+        length=np.zeros((batch_size,), np.int32),
+        window=jnp.zeros((batch_size, cfg.sliding_window, cfg.head_dim), dtype),
+        compressor=compressor,
+        indexer=indexer,
+        layer_idx=layer_idx,
+        layer_type=layer_type,
+        max_seq_len=max_seq_len,
+    )
+
+
+def cache_nbytes(cache: AttentionCache) -> int:
+    """Bytes held by the cache's arrays."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache))

@@ -1,0 +1,157 @@
+"""Gated-pooling compressor (spec section 5): m source tokens -> one compressed KV entry.
+
+Used twice in a CSA layer (the main KV compressor at head_dim, the indexer's key compressor
+at index_head_dim) and once in an HCA layer. Runs under XLA or NumPy (see `backend`).
+
+Per token t the input stage has already projected ``C_t = x_t Wkv`` and ``Z_t = x_t Wgate``.
+Window w covers positions ``w*m .. w*m+m-1``; its entry is, per channel,
+
+* HCA (``overlap=False``): ``E_w = sum_j softmax_j(Z_{wm+j} + bias_j) * C_{wm+j}`` over m slots;
+* CSA (``overlap=True``): the projections are two series ``[Ca | Cb]``; entry w pools 2m
+  slots: the Ca half of window w-1 and the Cb half of window w (window -1 is absent: gate
+  -inf). Entries overlap: each spans 2m tokens with stride m.
+
+then ``RMSNorm(kv_norm)`` and RoPE at position ``w*m``. An entry exists once its window is
+complete, and a query at position t sees entry w iff ``w < (t + 1) // m``.
+
+Streaming: the tokens of an unfinished window wait in the cache (`buffer_*`), and CSA keeps
+the last completed window's Ca half (`overlap_*`) for the next entry's first slots. A call's
+new tokens are laid after the buffered ones in a *stream* that starts at the unfinished
+window's first position, so the windows of the stream are aligned and the position bias of
+stream slot i is ``bias[i % m]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import struct
+
+from .backend import Array, einsum, namespace, scatter_rows
+from .cache import CompressorCache
+from .norms import rms_norm
+from .rope import apply_rope
+
+
+@struct.dataclass
+class CompressorWeights:
+    """kv_proj, gate_proj: [hidden, n*Dc]; position_bias: [m, n*Dc] float32; kv_norm: [Dc] float32."""
+
+    kv_proj: Array
+    gate_proj: Array
+    position_bias: Array
+    kv_norm: Array
+
+
+def project(x: Array, w: CompressorWeights, dtype, precision=None) -> tuple[Array, Array]:
+    """The compressor's input GEMMs: x [B, S, hidden] -> (kv, gate), each [B, S, n*Dc]."""
+    kv = einsum("bsh,hc->bsc", x, w.kv_proj, out_dtype=dtype, precision=precision)
+    gate = einsum("bsh,hc->bsc", x, w.gate_proj, out_dtype=dtype, precision=precision)
+    return kv, gate
+
+
+def compress(
+    kv: Array,
+    gate: Array,
+    state: CompressorCache,
+    length: Array,
+    *,
+    position_bias: Array,
+    kv_norm: Array,
+    ratio: int,
+    overlap: bool,
+    freqs: Array,
+    rope_scale: float,
+    eps: float,
+) -> tuple[CompressorCache, Array]:
+    """Append a call's tokens to the compressor; emit the entries of windows they complete.
+
+    kv, gate:  [B, S, n*Dc]  this call's projections (positions ``length .. length+S-1``)
+    state:     the compressor's cache before the call
+    length:    [B] int32     tokens seen before this call
+    returns    (state after the call, entries of this call [B, L, Dc]) where
+               ``L = (m - 1 + S) // m + 1`` bounds the windows the stream can touch; entry j
+               of a row is real iff ``j < (length % m + S) // m``, and is entry number
+               ``length // m + j`` of the sequence.
+
+    Shapes per step (Dc = entry width, n = 2 for CSA else 1):
+      stream  [B, L*m, n*Dc]    buffered tokens, then the new ones, zero-padded
+      windows [B, L, m, n*Dc]
+      slots   [B, L, 2m or m, Dc] -> softmax over slots (float32) -> pooled [B, L, Dc]
+    """
+    xp = namespace(kv, gate, length)
+    batch, seq, _ = kv.shape
+    m = ratio
+    dtype = kv.dtype
+    dc = kv_norm.shape[-1]
+    n_windows = (m - 1 + seq) // m + 1
+
+    buffered = (length % m).astype(np.int32)  # [B] tokens of the unfinished window
+    first_entry = (length // m).astype(np.int32)  # [B] index of the stream's window 0
+    completed = (buffered + seq) // m  # [B] windows this call completes
+
+    # Stream slot i holds position first_entry*m + i: buffer rows first, then new tokens.
+    slot = xp.arange(n_windows * m, dtype=np.int32)[None, :]  # [1, L*m]
+    from_buffer = slot < buffered[:, None]
+    new_idx = slot - buffered[:, None]
+    from_new = (new_idx >= 0) & (new_idx < seq)
+
+    def stream(buffer: Array, new: Array) -> Array:
+        old = xp.take_along_axis(buffer, xp.clip(slot, 0, m - 1)[..., None], 1)
+        fresh = xp.take_along_axis(new, xp.clip(new_idx, 0, seq - 1)[..., None], 1)
+        zero = xp.zeros_like(fresh)
+        return xp.where(from_buffer[..., None], old, xp.where(from_new[..., None], fresh, zero))
+
+    stream_kv = stream(state.buffer_kv, kv)  # [B, L*m, n*Dc]
+    stream_gate = stream(state.buffer_gate, gate)
+    win_kv = stream_kv.reshape(batch, n_windows, m, -1)  # [B, L, m, n*Dc]
+    # The reference adds the float32 bias to the raw gate, so the logits are float32.
+    win_gate = stream_gate.reshape(batch, n_windows, m, -1).astype(np.float32) + position_bias.astype(np.float32)
+
+    if overlap:
+        # Entry w pools [Ca of window w-1 | Cb of window w]. Window -1 of the stream is the
+        # last window completed before this call (kept in `overlap_*`), absent for entry 0.
+        has_prev = (first_entry > 0)[:, None, None, None]
+        prev0_kv = xp.where(has_prev, state.overlap_kv[:, None], xp.zeros_like(state.overlap_kv[:, None]))
+        prev0_gate = xp.where(has_prev, state.overlap_gate[:, None], -np.inf)
+        prev_kv = xp.concatenate([prev0_kv.astype(dtype), win_kv[:, :-1, :, :dc]], axis=1)
+        prev_gate = xp.concatenate([prev0_gate.astype(np.float32), win_gate[:, :-1, :, :dc]], axis=1)
+        slots_kv = xp.concatenate([prev_kv, win_kv[..., dc:]], axis=2)  # [B, L, 2m, Dc]
+        slots_gate = xp.concatenate([prev_gate, win_gate[..., dc:]], axis=2)
+    else:
+        slots_kv, slots_gate = win_kv, win_gate
+
+    probs = xp.exp(slots_gate - xp.max(slots_gate, axis=2, keepdims=True))
+    probs = (probs / xp.sum(probs, axis=2, keepdims=True)).astype(dtype)
+    # Product in the kv dtype, sum accumulated in float32 and rounded once (a torch bf16 sum).
+    pooled = (slots_kv * probs).astype(np.float32).sum(axis=2).astype(dtype)  # [B, L, Dc]
+    pooled = rms_norm(pooled, kv_norm, eps)
+    entry_pos = (first_entry[:, None] + xp.arange(n_windows, dtype=np.int32)[None, :]) * m  # [B, L]
+    pooled = apply_rope(pooled, entry_pos, freqs, scale=rope_scale)
+
+    # Write the completed windows' entries; the rest of the stream waits in the buffer.
+    j = xp.arange(n_windows, dtype=np.int32)[None, :]
+    write_at = xp.where(j < completed[:, None], first_entry[:, None] + j, state.entries.shape[1])
+    entries = scatter_rows(state.entries, write_at, pooled)
+
+    def window_rows(a: Array, w: Array) -> Array:  # a: [B, L, m, X], w: [B] -> [B, m, X]
+        return xp.take_along_axis(a, w[:, None, None, None] + xp.zeros((1, 1, m, 1), np.int32), 1)[:, 0]
+
+    new_state = state.replace(
+        entries=entries,
+        buffer_kv=window_rows(win_kv, completed),
+        buffer_gate=window_rows(stream_gate.reshape(batch, n_windows, m, -1), completed),
+    )
+    if overlap:
+        last = xp.maximum(completed - 1, 0)
+        any_new = (completed > 0)[:, None, None]
+        new_state = new_state.replace(
+            overlap_kv=xp.where(any_new, window_rows(win_kv[..., :dc], last), state.overlap_kv),
+            overlap_gate=xp.where(any_new, window_rows(win_gate[..., :dc], last), state.overlap_gate),
+        )
+    return new_state, pooled
+
+
+def visible_entries(positions: Array, ratio: int) -> Array:
+    """Entries a query at each position may see: ``(t + 1) // m`` (spec section 5.4)."""
+    return ((positions + 1) // ratio).astype(np.int32)
+

@@ -1,0 +1,104 @@
+"""Lightning indexer of CSA layers (spec section 6): pick top-k compressed entries per query.
+
+Contract of `select_topk` (the function the host break calls):
+
+* index unit: a compressed entry (entry w covers positions ``w*m .. w*m+m-1``, plus the
+  previous window through the CSA overlap);
+* score: ``I[t, w] = sum_h w_{t,h} * relu(qI_{t,h} . KI_w) * c^-1/2`` in float32, where
+  ``w_{t,h} = (x_t Wproj)_h * nI^-1/2`` may be negative;
+* causality: only entries with ``w < (t + 1) // m`` (completed windows) are candidates;
+* order: descending score, **equal scores to the lower entry index** (the reference rule;
+  `lax.top_k` is stable and the NumPy twin matches it; -0.0 is folded into +0.0 first);
+* output: int32 ``[B, S, index_topk]``, valid picks first, then -1 for "nothing"
+  (a query with fewer than index_topk visible entries, or an empty cache).
+
+The same functions run under XLA (in-graph, ``break_mode="none"``) and under NumPy inside a
+`jax.pure_callback` (the host break, see `breaks`). Scoring is blocked over queries so that
+the per-head temporary [B, block, nI, T] stays bounded on long prefills.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import struct
+
+from .backend import Array, einsum, map_query_blocks, namespace, top_k_stable
+from .compressor import CompressorWeights
+from .rope import apply_rope
+
+# Queries scored at a time; bounds the [B, block, nI, T] float32 temporary.
+SCORE_BLOCK = 256
+
+
+@struct.dataclass
+class IndexerWeights:
+    """q_b_proj: [q_lora_rank, nI*c]; weights_proj: [hidden, nI]; compressor: the key compressor."""
+
+    q_b_proj: Array
+    weights_proj: Array
+    compressor: CompressorWeights
+
+
+def head_weights(x: Array, weights_proj: Array, n_heads: int, dtype, precision=None) -> Array:
+    """Per-query head weights ``(x Wproj) * nI^-1/2``: x [B, S, hidden] -> float32 [B, S, nI]."""
+    return einsum("bsh,hn->bsn", x, weights_proj, out_dtype=dtype, precision=precision).astype(np.float32) * (
+        n_heads**-0.5
+    )
+
+
+def index_queries(q_residual: Array, q_b_proj: Array, positions: Array, freqs: Array, *, n_heads: int,
+                  rope_scale: float, dtype, precision=None) -> Array:
+    """Indexer queries: q_residual [B, S, Lq] -> [B, S, nI, c], rotated at the query positions.
+
+    No norm (unlike the attention queries); compress-rope frequencies on the trailing channels.
+    """
+    q = einsum("bsl,lc->bsc", q_residual, q_b_proj, out_dtype=dtype, precision=precision)
+    q = q.reshape(*q.shape[:2], n_heads, -1)
+    return apply_rope(q, positions[..., None], freqs, scale=rope_scale)
+
+
+def _block_scores(queries: Array, weights: Array, visible: Array, keys: Array) -> Array:
+    xp = namespace(queries, weights, keys, visible)
+    dots = einsum("bshc,btc->bsht", queries, keys, out_dtype=np.float32)  # [B, s, nI, T]
+    # Same order of operations as the reference: relu(q.k) * c^-1/2, times the head weight, sum.
+    s = (xp.maximum(dots, 0.0) * np.float32(queries.shape[-1] ** -0.5) * weights[..., None]).sum(axis=2)
+    s = xp.where(s == 0, np.float32(0.0), s)  # fold -0.0 into +0.0: ties must compare equal
+    seen = xp.arange(keys.shape[1], dtype=np.int32)[None, None, :] < visible[..., None]
+    return xp.where(seen, s, np.float32(-np.inf))
+
+
+def index_scores(queries: Array, weights: Array, keys: Array, visible: Array) -> Array:
+    """Indexer scores, float32 [B, S, T]; entries a query may not see are -inf.
+
+    queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c], visible int [B, S].
+    """
+    return map_query_blocks(_block_scores, (queries, weights, visible), (keys,), SCORE_BLOCK)
+
+
+def picks_from_scores(scores: Array, visible: Array, top_k: int) -> Array:
+    """Stable top-k of float32 scores [B, S, T] -> int32 [B, S, top_k] with -1 padding."""
+    xp = namespace(scores, visible)
+    k = min(top_k, scores.shape[-1])
+    picks = top_k_stable(scores, k)
+    picks = xp.where(picks < visible[..., None], picks, np.int32(-1)).astype(np.int32)
+    if k < top_k:
+        pad = xp.full((*picks.shape[:-1], top_k - k), -1, dtype=np.int32)
+        picks = xp.concatenate([picks, pad], axis=-1)
+    return picks
+
+
+def select_topk(queries: Array, weights: Array, keys: Array, visible: Array, *, top_k: int,
+                with_scores: bool = False):
+    """The indexer's selection: scores, then stable top-k with -1 padding (module contract).
+
+    queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c], visible int32 [B, S]
+    -> picks int32 [B, S, top_k] (and the scores float32 [B, S, T] if `with_scores`).
+    Blocked over queries: only [B, SCORE_BLOCK, nI, T] exists at a time.
+    """
+
+    def block(q, w, vis, k):
+        scores = _block_scores(q, w, vis, k)
+        picks = picks_from_scores(scores, vis, top_k)
+        return (picks, scores) if with_scores else picks
+
+    return map_query_blocks(block, (queries, weights, visible), (keys,), SCORE_BLOCK)

@@ -1,0 +1,84 @@
+"""Interleaved partial RoPE on the trailing slice of each head (spec sections 2.3 and 2.4).
+
+Every rotated vector (query, window key, compressed entry, indexer query and key, attention
+output) is laid out ``[nope | rope]``; only the trailing `rope_dim` channels rotate, in
+adjacent pairs ``(2i, 2i+1)`` (GPT-J style). Pair i at position p turns by ``p * f_i``.
+
+Sliding layers use the "main" frequencies (theta 10000); CSA/HCA layers use "compress"
+(theta 160000 with YaRN) for everything, the indexer included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .backend import Array, namespace
+from .config import DeepseekV4Config
+
+
+def inv_freq(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
+    """Per-pair inverse frequencies, float32 [rope_dim // 2], computed as HF does (float32 math).
+
+    kind: "main" or "compress".
+    """
+    dim = cfg.qk_rope_head_dim
+    if kind == "main":
+        base, scaling = cfg.rope_theta, None
+    elif kind == "compress":
+        base, scaling = cfg.compress_rope_theta, cfg.compress_rope_scaling
+    else:
+        raise ValueError(f"kind: expected 'main' or 'compress', got {kind!r}")
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if scaling is None:
+        return extrapolation
+    interpolation = (np.float32(1.0) / (np.float32(scaling.factor) * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF: prevent a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
+
+
+def attention_factor(cfg: DeepseekV4Config, kind: str) -> float:
+    """Scale of cos/sin: YaRN's attention_factor on the compress rope (1.0 for V4), else 1."""
+    if kind == "compress" and cfg.compress_rope_scaling is not None:
+        return cfg.compress_rope_scaling.attention_factor
+    return 1.0
+
+
+def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = False, scale: float = 1.0) -> Array:
+    """Rotate the trailing ``2 * len(freqs)`` channels of `x` by ``positions * freqs``.
+
+    x:         [..., D]
+    positions: integer, broadcastable to ``x.shape[:-1]`` (e.g. [B, S, 1] for [B, S, H, D])
+    freqs:     float32 [rd/2]
+    inverse:   rotate by the negative angle (undo the rotation; used on the attention output)
+
+    The angle is float32(position) * float32(freq); cos/sin are rounded to `x.dtype` (HF
+    builds its tables in the activation dtype) and the rotation itself runs in float32.
+    """
+    xp = namespace(x, positions, freqs)
+    half = freqs.shape[-1]
+    angle = positions.astype(np.float32)[..., None] * freqs.astype(np.float32)  # [..., rd/2]
+    cos = (xp.cos(angle) * scale).astype(x.dtype).astype(np.float32)
+    sin = (xp.sin(angle) * scale).astype(x.dtype).astype(np.float32)
+    if inverse:
+        sin = -sin
+    nope, rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
+    pairs = rot.astype(np.float32).reshape(*rot.shape[:-1], half, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = xp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    rotated = rotated.reshape(rot.shape).astype(x.dtype)
+    return xp.concatenate([nope, rotated], axis=-1)

@@ -1,0 +1,126 @@
+"""Sparse attention over gathered keys (spec sections 7 and 8): window + compressed + sink.
+
+For a query at position t the keys (each also its own value, K = V) are
+
+* the **window**: rotated kv of positions ``t-W+1 .. t`` (fewer at the start), gathered
+  from a pool ``[window cache (W slots, slot p % W) | this call's S keys]``;
+* the **compressed entries**: CSA gathers the indexer's picks (-1 = nothing); HCA takes
+  every visible entry ``w < (t+1) // m`` (there is no selection); sliding layers have none.
+
+Nothing of size [queries, all compressed entries] is built for CSA: each query touches
+``W + index_topk`` keys, gathered per query, and the query axis is processed in blocks so
+that the gathered keys [B, block, W + K, D] bound peak memory on long prefills.
+
+Per head h, ``logit = q . key * D^-1/2``; a learned sink logit joins the softmax
+denominator only (zero value vector); probabilities are float32, cast to the value dtype,
+and the weighted sum accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .backend import Array, einsum, map_query_blocks, scatter_rows
+
+
+def window_indices(positions: Array, length: Array, window: int) -> Array:
+    """Pool indices of each query's window keys: int32 [B, S, W], -1 before position 0.
+
+    The pool is ``[window cache (W) | new keys (S)]``: a position p >= length (this call)
+    sits at ``W + p - length``; an older one in cache slot ``p % W``.
+    """
+    p = positions[..., None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)  # [B, S, W] ascending
+    start = length[:, None, None]
+    idx = jnp.where(p >= start, window + p - start, p % window)
+    return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
+
+
+def insert_window(window_cache: Array, kv: Array, length: Array) -> Array:
+    """Write the last ``min(S, W)`` rotated keys into their ring slots ``p % W``.
+
+    window_cache [B, W, D], kv [B, S, D], length [B] (tokens before the call) -> [B, W, D].
+    Runs under XLA or NumPy (it is part of `wq_b_kv_insert`).
+    """
+    w, s = window_cache.shape[1], kv.shape[1]
+    n = min(s, w)
+    pos = length[:, None] + (s - n) + np.arange(n, dtype=np.int32)[None, :]
+    return scatter_rows(window_cache, pos % w, kv[:, s - n :])
+
+
+def sparse_attention(
+    q: Array,
+    pool: Array,
+    window_idx: Array,
+    sinks: Array,
+    *,
+    entries: Array | None = None,
+    picks: Array | None = None,
+    visible: Array | None = None,
+    block: int = 256,
+    precision=None,
+    with_mass: bool = False,
+):
+    """Attention of each query over its window keys and its compressed entries, with sinks.
+
+    q          [B, S, H, D]  rotated, normed queries (compute dtype)
+    pool       [B, W+S, D]   window cache then this call's rotated keys
+    window_idx [B, S, W]     int32 pool indices, -1 = no key (from `window_indices`)
+    sinks      [H]           float32 sink logits
+    entries    [B, T, D]     compressed entries (CSA/HCA), or None (sliding)
+    picks      [B, S, K]     CSA: entry indices to attend, -1 = nothing
+    visible    [B, S]        HCA: entries ``w < visible`` are all attended
+    returns    o [B, S, H, D] (and, if `with_mass`, the share of each query's attention
+               on the sink, the window and the compressed entries, each float32 [B, S, H])
+    """
+    dtype = q.dtype
+    scale = q.shape[-1] ** -0.5
+    selection = picks if picks is not None else visible
+
+    def block_fn(qb, widx, sel, pool_, sinks_, ents):
+        # Each part: (float32 logits [B, s, H, n], allowed mask, einsum for the values, values).
+        kw = jnp.take_along_axis(pool_[:, None], jnp.maximum(widx, 0)[..., None], axis=2)  # [B, s, W, D]
+        parts = [(
+            _logits(einsum("bshd,bswd->bshw", qb, kw, out_dtype=dtype, precision=precision), scale),
+            (widx >= 0)[:, :, None, :], "bshw,bswd->bshd", kw,
+        )]
+        if ents is not None and picks is not None:  # CSA: the indexer's picks, gathered per query
+            kc = jnp.take_along_axis(ents[:, None], jnp.maximum(sel, 0)[..., None], axis=2)  # [B, s, K, D]
+            parts.append((
+                _logits(einsum("bshd,bskd->bshk", qb, kc, out_dtype=dtype, precision=precision), scale),
+                (sel >= 0)[:, :, None, :], "bshk,bskd->bshd", kc,
+            ))
+        elif ents is not None:  # HCA: every visible entry, shared by the row's queries
+            seen = jnp.arange(ents.shape[1], dtype=jnp.int32)[None, None, :] < sel[..., None]
+            parts.append((
+                _logits(einsum("bshd,btd->bsht", qb, ents, out_dtype=dtype, precision=precision), scale),
+                seen[:, :, None, :], "bsht,btd->bshd", ents,
+            ))
+
+        z = jnp.concatenate([jnp.where(ok, lg, -jnp.inf) for lg, ok, _, _ in parts], axis=-1)
+        sink = sinks_.astype(jnp.float32)[None, None, :, None]
+        top = jnp.maximum(jnp.max(z, axis=-1, keepdims=True), sink)
+        e = jnp.exp(z - top)
+        e_sink = jnp.exp(sink - top)
+        denom = jnp.sum(e, axis=-1, keepdims=True) + e_sink
+        probs = e / denom  # [B, s, H, W (+K|T)] float32, sums to 1 - sink share
+
+        out, masses, start = 0.0, [], 0
+        for lg, _, spec, values in parts:
+            p = probs[..., start : start + lg.shape[-1]]
+            out = out + einsum(spec, p.astype(dtype), values, out_dtype=jnp.float32, precision=precision)
+            masses.append(jnp.sum(p, axis=-1))
+            start += lg.shape[-1]
+        out = out.astype(dtype)
+        if not with_mass:
+            return out
+        compressed_mass = masses[1] if len(masses) > 1 else jnp.zeros_like(masses[0])
+        return out, (e_sink / denom)[..., 0], masses[0], compressed_mass
+
+    return map_query_blocks(block_fn, (q, window_idx, selection), (pool, sinks, entries), block)
+
+
+def _logits(dots: Array, scale: float) -> Array:
+    # The reference scales the logits in the compute dtype, then promotes to float32 when it
+    # concatenates the float32 sink column.
+    return (dots * scale).astype(jnp.float32)

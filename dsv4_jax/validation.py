@@ -1,0 +1,133 @@
+"""Input checks of `DeepseekV4Attention.__call__`, run on the host before anything is dispatched.
+
+Every rejection is a `TypeError` (wrong kind or dtype) or `ValueError` (wrong shape or value)
+whose message names the argument, what was expected and what came. Nothing reaches the
+device before all checks pass, so a rejected call leaves the caller's cache untouched.
+
+Checks that need values (positions continue the cache, room is left) run when the values
+are concrete; under a user's `jax.jit` they are tracers and only shapes and dtypes are
+checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .backend import is_tracer
+from .cache import AttentionCache
+from .config import CSA, HCA
+
+
+def check_float_dtype(name: str, dtype: Any, allow_none: bool = False):
+    if dtype is None and allow_none:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}: expected a floating dtype, got {dtype!r}") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name}: expected a floating dtype, got {dt}")
+    return dt
+
+
+def _shape_dtype(name: str, value: Any):
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+    return tuple(shape), jnp.dtype(dtype)
+
+
+def check_cache(attn, cache: Any) -> None:
+    """The cache belongs to this layer (index, type, sizes)."""
+    cfg = attn.config
+    if not isinstance(cache, AttentionCache):
+        raise TypeError(
+            f"cache: expected an AttentionCache from attn.init_cache(...), got {type(cache).__name__}"
+        )
+    if (cache.layer_idx, cache.layer_type) != (attn.layer_idx, attn.layer_type):
+        raise ValueError(
+            f"cache: expected the cache of layer {attn.layer_idx} ({attn.layer_type}), got the cache of "
+            f"layer {cache.layer_idx} ({cache.layer_type})"
+        )
+    want_window = (cfg.sliding_window, cfg.head_dim)
+    if tuple(cache.window.shape[1:]) != want_window:
+        raise ValueError(
+            f"cache.window: expected shape [B, {want_window[0]}, {want_window[1]}] for this config, "
+            f"got {list(cache.window.shape)} (a cache made for another config?)"
+        )
+    expect = {CSA: ("compressor", "indexer"), HCA: ("compressor",)}.get(attn.layer_type, ())
+    for part in ("compressor", "indexer"):
+        present = getattr(cache, part) is not None
+        if present != (part in expect):
+            raise ValueError(
+                f"cache.{part}: expected {'a compressor state' if part in expect else 'None'} for a "
+                f"{attn.layer_type} layer, got {'a state' if present else 'None'}"
+            )
+    if cache.compressor is not None:
+        ratio = cfg.compress_rate(attn.layer_type)
+        want = max(1, cache.max_seq_len // ratio)
+        if cache.compressor.entries.shape[1:] != (want, cfg.head_dim):
+            raise ValueError(
+                f"cache.compressor.entries: expected shape [B, {want}, {cfg.head_dim}], got "
+                f"{list(cache.compressor.entries.shape)}"
+            )
+
+
+def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_intermediates: bool):
+    """Validate one call; returns (the StepSpec to run, host copy of cache.length or None)."""
+    cfg = attn.config
+    h_shape, h_dtype = _shape_dtype("hidden_states", hidden_states)
+    if not jnp.issubdtype(h_dtype, jnp.floating):
+        raise TypeError(f"hidden_states: expected a floating dtype, got {h_dtype}")
+    if len(h_shape) != 3 or h_shape[-1] != cfg.hidden_size or h_shape[1] < 1:
+        raise ValueError(
+            f"hidden_states: expected shape [B, S, {cfg.hidden_size}] with S >= 1, got {list(h_shape)}"
+        )
+    batch, seq = h_shape[:2]
+    p_shape, p_dtype = _shape_dtype("positions", positions)
+    if not jnp.issubdtype(p_dtype, jnp.integer):
+        raise TypeError(f"positions: expected an integer dtype (int32), got {p_dtype}")
+    if p_shape != (batch, seq):
+        raise ValueError(f"positions: expected shape [B, S] = {[batch, seq]}, got {list(p_shape)}")
+    check_cache(attn, cache)
+    if cache.batch_size != batch:
+        raise ValueError(
+            f"hidden_states: expected batch size {cache.batch_size} (the cache's), got {batch}"
+        )
+    spec = attn.step_spec(h_dtype, return_intermediates)
+    if jnp.dtype(cache.dtype) != spec.dtype:
+        raise TypeError(
+            f"cache: expected dtype {spec.dtype} (the layer's compute dtype for {h_dtype} inputs), "
+            f"got {cache.dtype}; make it with attn.init_cache(..., dtype={spec.dtype})"
+        )
+
+    if is_tracer(positions) or is_tracer(cache.length):
+        return spec, None  # values unknown while tracing: shapes and dtypes were checked
+    length = np.asarray(cache.length).astype(np.int64)
+    pos = np.asarray(positions).astype(np.int64)
+    if np.any(length != length[0]):
+        raise ValueError(
+            f"cache.length: expected all rows at one length (ragged batches are not supported yet), "
+            f"got {length.tolist()}"
+        )
+    expected = length[:, None] + np.arange(seq)[None, :]
+    if not np.array_equal(pos, expected):
+        bad = int(np.argwhere(pos != expected)[0][0])
+        raise ValueError(
+            f"positions: expected row {bad} to continue the cache at {int(length[bad])} "
+            f"({int(length[bad])} .. {int(length[bad]) + seq - 1}), got {_preview(pos[bad])}"
+        )
+    if int(length[0]) + seq > cache.max_seq_len:
+        raise ValueError(
+            f"hidden_states: expected at most {cache.max_seq_len - int(length[0])} new tokens (the cache "
+            f"holds {int(length[0])} of max_seq_len={cache.max_seq_len}), got {seq}"
+        )
+    return spec, length.astype(np.int32)
+
+
+def _preview(row: np.ndarray) -> str:
+    values = row.tolist()
+    return str(values) if len(values) <= 8 else f"[{values[0]}, {values[1]}, ..., {values[-1]}]"
