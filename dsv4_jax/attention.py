@@ -132,7 +132,7 @@ class StepSpec:
         return self.cfg.rope_kind(self.layer_type)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _freqs(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
     return inv_freq(cfg, kind)
 

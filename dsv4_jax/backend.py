@@ -7,8 +7,8 @@ inside a `jax.pure_callback` they are the "NumPy twin" that runs on the host. Th
 operations whose spelling differs (scatter, stable top-k, matmul with an accumulation dtype,
 blocking over queries) live here.
 
-Dtype rule for matmuls, both namespaces: accumulate in float32, round the result once to
-`out_dtype`. That is what a PyTorch bf16 matmul does and what the reference does in fp32.
+Dtype rule for matmuls, both namespaces: operands in the output dtype, accumulation in
+float32, one rounding of the result: what a PyTorch matmul does (see `einsum`).
 """
 
 from __future__ import annotations
@@ -36,14 +36,18 @@ def is_tracer(x: Any) -> bool:
 
 
 def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) -> Array:
-    """Two-operand einsum with float32 accumulation, rounded once to `out_dtype`."""
+    """Two-operand einsum in `out_dtype`: operands cast to it, float32 accumulation.
+
+    A float32 `out_dtype` widens low-precision operands first (the reference's `.float()`);
+    a bf16 one gives a bf16 matmul, which accumulates in float32 and rounds once on every
+    backend (cuBLAS, XLA:CPU), like a PyTorch bf16 matmul.
+    """
     xp = namespace(a, b)
     if xp is np:
         # NumPy has no bf16 kernels: compute in float32 (which is what accumulation means here).
         out = np.einsum(subscripts, np.asarray(a, np.float32), np.asarray(b, np.float32), optimize=True)
         return out.astype(out_dtype)
-    out = jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+    return jnp.einsum(subscripts, a.astype(out_dtype), b.astype(out_dtype), precision=precision)
 
 
 def scatter_rows(target: Array, index: Array, values: Array) -> Array:

@@ -131,7 +131,8 @@ class DeepseekV4Config:
         if scaling is not None:
             if not isinstance(scaling, YarnScaling):
                 raise TypeError(
-                    f"DeepseekV4Config.compress_rope_scaling: expected YarnScaling or None, got {type(scaling).__name__}"
+                    "DeepseekV4Config.compress_rope_scaling: expected YarnScaling or None, "
+                    f"got {type(scaling).__name__}"
                 )
             if not scaling.factor > 0 or scaling.original_max_position_embeddings < 1:
                 raise ValueError(

@@ -45,7 +45,7 @@ def stable_topk():
 
     original = torch.Tensor.topk
 
-    def topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002 - torch's signature
+    def topk(self, k, dim=-1, largest=True, sorted=True):
         values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
         return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 

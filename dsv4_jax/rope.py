@@ -31,14 +31,17 @@ def inv_freq(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
     else:
         raise ValueError(f"kind: expected 'main' or 'compress', got {kind!r}")
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)
+    # torch evaluates `float ** float32 tensor` exactly rounded; a float32 np.power is off by an
+    # ulp for some entries, which moves the angle at large positions. Round a float64 power.
+    pos_freqs = np.power(np.float64(base), exponents.astype(np.float64)).astype(np.float32)
     extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
     if scaling is None:
         return extrapolation
     interpolation = (np.float32(1.0) / (np.float32(scaling.factor) * pos_freqs)).astype(np.float32)
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        turns = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(base))
 
     low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
     if scaling.truncate:

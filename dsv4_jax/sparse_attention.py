@@ -108,7 +108,8 @@ def sparse_attention(
         out, masses, start = 0.0, [], 0
         for lg, _, spec, values in parts:
             p = probs[..., start : start + lg.shape[-1]]
-            out = out + einsum(spec, p.astype(dtype), values, out_dtype=jnp.float32, precision=precision)
+            part = einsum(spec, p.astype(dtype), values, out_dtype=dtype, precision=precision)
+            out = out + part.astype(jnp.float32)
             masses.append(jnp.sum(p, axis=-1))
             start += lg.shape[-1]
         out = out.astype(dtype)

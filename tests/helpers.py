@@ -1,0 +1,112 @@
+"""Test helpers: the recorded reference runs (tests/data), layer builders, schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dsv4_jax
+
+DATA = Path(__file__).parent / "data"
+GOLDEN_FILES = ("tiny_seed1.npz", "small_seed0.npz")
+
+
+@dataclasses.dataclass
+class Golden:
+    """One recorded HF run: config, per-layer weights, and per-call inputs/outputs."""
+
+    name: str
+    cfg: dsv4_jax.DeepseekV4Config
+    meta: dict
+    data: dict
+
+    @property
+    def schedule(self) -> list[int]:
+        return self.meta["schedule"]
+
+    @property
+    def batch(self) -> int:
+        return self.meta["batch"]
+
+    def weights(self, layer: int) -> dict[str, np.ndarray]:
+        prefix = f"layer{layer}/params/"
+        return {k[len(prefix):]: v for k, v in self.data.items() if k.startswith(prefix)}
+
+    def call(self, layer: int, c: int) -> dict[str, np.ndarray]:
+        prefix = f"layer{layer}/call{c}/"
+        out = {k[len(prefix):]: v for k, v in self.data.items() if k.startswith(prefix)}
+        out["positions"] = np.broadcast_to(out["positions"], out["hidden"].shape[:2]).astype(np.int32)
+        return out
+
+    def hidden_all(self, layer: int) -> np.ndarray:
+        """All calls' inputs concatenated: the whole sequence [B, N, hidden]."""
+        return np.concatenate([self.call(layer, c)["hidden"] for c in range(len(self.schedule))], axis=1)
+
+    def out_all(self, layer: int) -> np.ndarray:
+        return np.concatenate([self.call(layer, c)["out"] for c in range(len(self.schedule))], axis=1)
+
+
+def load_golden(name: str) -> Golden:
+    with np.load(DATA / name) as f:
+        data = {k: f[k] for k in f.files}
+    meta = json.loads(bytes(data.pop("meta")).decode())
+    return Golden(name=name, cfg=dsv4_jax.DeepseekV4Config.from_hf(meta["hf_config"]), meta=meta, data=data)
+
+
+def golden_layer(g: Golden, layer: int, break_mode: str = "narrow", **kwargs) -> dsv4_jax.DeepseekV4Attention:
+    attn = dsv4_jax.DeepseekV4Attention(g.cfg, layer, rngs=nnx.Rngs(0), break_mode=break_mode, **kwargs)
+    dsv4_jax.load_hf_attention_weights(attn, g.weights(layer))
+    return attn
+
+
+def random_layer(cfg, layer: int, seed: int = 0, break_mode: str = "narrow", **kwargs):
+    """A layer with every parameter random, position biases and sinks included (they init to 0)."""
+    attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(seed), break_mode=break_mode, **kwargs)
+    rng = np.random.default_rng(seed + 1000)
+    state = nnx.state(attn, nnx.Param)
+    for path, var in sorted(nnx.to_flat_state(state), key=lambda kv: str(kv[0])):
+        name = str(path[-1])
+        arr = np.asarray(var[...], np.float32)
+        if name in ("position_bias", "sinks"):
+            arr = rng.normal(0.0, 1.0, arr.shape)
+        elif name.endswith("norm"):
+            arr = 1.0 + 0.2 * rng.normal(size=arr.shape)
+        var[...] = jnp.asarray(arr, var[...].dtype)
+    return attn
+
+
+def run_schedule(attn, hidden: np.ndarray, schedule, max_seq_len: int | None = None, **call_kwargs):
+    """Feed `hidden` [B, N, hidden] in chunks of `schedule`; returns (outputs [B, N, hidden], results, cache).
+
+    results: per call, whatever the layer returned after (out, cache) (e.g. intermediates).
+    """
+    batch, total = hidden.shape[:2]
+    assert sum(schedule) == total
+    cache = attn.init_cache(batch, max_seq_len or total)
+    outs, extras, start = [], [], 0
+    for n in schedule:
+        pos = np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (batch, n))
+        res = attn(jnp.asarray(hidden[:, start:start + n]), pos, cache, **call_kwargs)
+        out, cache = res[0], res[1]
+        outs.append(np.asarray(out, np.float32))
+        extras.append(res[2:])
+        start += n
+    return np.concatenate(outs, axis=1), extras, cache
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def pad_picks(picks: np.ndarray, k: int) -> np.ndarray:
+    """Golden picks have min(K, T) columns; the layer always returns K (-1 padded)."""
+    missing = k - picks.shape[-1]
+    if missing <= 0:
+        return picks.astype(np.int32)
+    return np.concatenate([picks, -np.ones((*picks.shape[:-1], missing), picks.dtype)], -1).astype(np.int32)

@@ -1,0 +1,78 @@
+"""Sparse attention: gathered window + entries + sink equals dense masked attention (float64)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax.sparse_attention import insert_window, sparse_attention, window_indices
+
+
+def dense_reference(q, keys, allowed, sinks):
+    """q [B,S,H,D], keys [B,S,N,D] per query, allowed [B,S,N]; one softmax with a sink column."""
+    logits = np.einsum("bshd,bsnd->bshn", q, keys) * q.shape[-1] ** -0.5
+    logits = np.where(allowed[:, :, None, :], logits, -np.inf)
+    full = np.concatenate([logits, np.broadcast_to(sinks[None, None, :, None], (*logits.shape[:3], 1))], -1)
+    p = np.exp(full - full.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return np.einsum("bshn,bsnd->bshd", p[..., :-1], keys), p[..., -1]
+
+
+def test_window_indices_address_the_last_w_positions():
+    # Cache holds 5 tokens (slots p % 4), this call brings positions 5, 6.
+    idx = np.asarray(window_indices(jnp.array([[5, 6]]), jnp.array([5]), 4))
+    # position 5 sees 2, 3, 4 (cache slots 2, 3, 0) and itself (pool 4 + 0)
+    assert idx[0, 0].tolist() == [2, 3, 0, 4]
+    assert idx[0, 1].tolist() == [3, 0, 4, 5]
+    first = np.asarray(window_indices(jnp.array([[0, 1]]), jnp.array([0]), 4))
+    assert first[0].tolist() == [[-1, -1, -1, 4], [-1, -1, 4, 5]]
+
+
+def test_insert_keeps_the_last_w_tokens_in_their_slots():
+    ring = np.zeros((1, 4, 1), np.float32)
+    ring = insert_window(ring, np.arange(6, dtype=np.float32).reshape(1, 6, 1) + 10, np.array([0]))
+    assert ring[0, :, 0].tolist() == [14, 15, 12, 13]  # positions 4, 5, 2, 3 in slots p % 4
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+@pytest.mark.parametrize("block", [256, 3])
+def test_matches_dense_masked_attention(kind, block):
+    rng = np.random.default_rng(0)
+    b, s, h, d, w, t, k, start = 2, 7, 3, 8, 4, 6, 3, 9
+    q = rng.normal(size=(b, s, h, d)).astype(np.float32)
+    ring = rng.normal(size=(b, w, d)).astype(np.float32)
+    new = rng.normal(size=(b, s, d)).astype(np.float32)
+    entries = rng.normal(size=(b, t, d)).astype(np.float32)
+    sinks = rng.normal(size=(h,)).astype(np.float32)
+    positions = np.broadcast_to(np.arange(start, start + s), (b, s)).astype(np.int32)
+    pool = np.concatenate([ring, new], 1)
+    widx = np.asarray(window_indices(jnp.asarray(positions), jnp.full((b,), start, jnp.int32), w))
+    keys = [np.take_along_axis(pool[:, None], np.maximum(widx, 0)[..., None], 2)]
+    allowed = [widx >= 0]
+    kwargs = {}
+    if kind == "csa":
+        picks = rng.integers(-1, t, size=(b, s, k)).astype(np.int32)
+        picks[..., 0] = np.arange(s) % t  # distinct valid picks first, some -1 after
+        picks[..., 1] = np.where(picks[..., 1] == picks[..., 0], -1, picks[..., 1])
+        picks[..., 2] = np.where((picks[..., 2] == picks[..., 0]) | (picks[..., 2] == picks[..., 1]), -1, picks[..., 2])
+        keys.append(np.take_along_axis(entries[:, None], np.maximum(picks, 0)[..., None], 2))
+        allowed.append(picks >= 0)
+        kwargs = dict(entries=jnp.asarray(entries), picks=jnp.asarray(picks))
+    elif kind == "hca":
+        visible = (positions + 1) // 2
+        keys.append(np.broadcast_to(entries[:, None], (b, s, t, d)))
+        allowed.append(np.arange(t)[None, None] < visible[..., None])
+        kwargs = dict(entries=jnp.asarray(entries), visible=jnp.asarray(visible))
+    ref, sink_share = dense_reference(q.astype(np.float64), np.concatenate(keys, 2).astype(np.float64),
+                                      np.concatenate(allowed, 2), sinks.astype(np.float64))
+    out, sink_mass, window_mass, compressed_mass = sparse_attention(
+        jnp.asarray(q), jnp.asarray(pool), jnp.asarray(widx), jnp.asarray(sinks), block=block, with_mass=True,
+        **kwargs,
+    )
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(sink_mass), sink_share, rtol=1e-5)
+    total = np.asarray(sink_mass) + np.asarray(window_mass) + np.asarray(compressed_mass)
+    np.testing.assert_allclose(total, 1.0, rtol=1e-5)
+    if kind == "sliding":
+        assert not np.asarray(compressed_mass).any()
