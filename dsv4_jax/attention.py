@@ -95,12 +95,15 @@ class Intermediates:
     num_entries     [B] int32          entries that exist after this call
     visible_entries [B, S] int32       entries each query may see, ``(t + 1) // m`` (CSA/HCA)
     queries         [B, S, H, D]       rotated, normed attention queries
+    keys            [B, S, D]          rotated K=V of this call's tokens (with the window cache
+                                       before the call, every query's window keys)
     sink_mass       [B, S, H] float32  share of each query's attention on the sink
     window_mass     [B, S, H] float32  ... on its window keys
     compressed_mass [B, S, H] float32  ... on compressed entries (0 on sliding layers)
     """
 
     queries: Array
+    keys: Array
     sink_mass: Array
     window_mass: Array
     compressed_mass: Array
@@ -185,7 +188,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
                             precision=spec.precision)
     visible = visible_entries(positions, spec.ratio)
     selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
-                      top_k=cfg.index_topk, with_scores=spec.return_intermediates)
+                      top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     picks, scores = selected if spec.return_intermediates else (selected, None)
     return out.replace(indexer=index_state, picks=picks, index_scores=scores)
 
@@ -246,7 +249,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     if spec.return_intermediates:
         _, sink_mass, window_mass, compressed_mass = attended
         intermediates = Intermediates(
-            queries=stages.q, sink_mass=sink_mass, window_mass=window_mass, compressed_mass=compressed_mass,
+            queries=stages.q, keys=stages.kv, sink_mass=sink_mass, window_mass=window_mass,
+            compressed_mass=compressed_mass,
             index_scores=stages.index_scores, topk=stages.picks, compressed_kv=entries,
             num_entries=None if entries is None else (length + x.shape[1]) // spec.ratio,
             visible_entries=visible,
@@ -270,6 +274,13 @@ _step_donating = jax.jit(attention_step, static_argnames=("spec",), donate_argna
 
 
 # ---------------------------------------------------------------------------- NNX modules
+def _array(param: nnx.Variable) -> Array:
+    """A parameter's array. `get_raw_value` skips flax's accessor machinery (~4 us a parameter,
+    which adds up on every decode step); it is only used when it holds a plain array."""
+    raw = param.get_raw_value() if hasattr(param, "get_raw_value") else None
+    return raw if isinstance(raw, (jax.Array, np.ndarray)) else param[...]
+
+
 def _projection(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
     """A projection kernel [..., in, out] with variance 1/in (activations stay O(1))."""
     init = nnx.initializers.normal(stddev=shape[-2] ** -0.5)
@@ -286,8 +297,8 @@ class Compressor(nnx.Module):
         self.kv_norm = nnx.Param(jnp.ones((dim,), jnp.float32))
 
     def weights(self) -> CompressorWeights:
-        return CompressorWeights(kv_proj=self.kv_proj[...], gate_proj=self.gate_proj[...],
-                                 position_bias=self.position_bias[...], kv_norm=self.kv_norm[...])
+        return CompressorWeights(kv_proj=_array(self.kv_proj), gate_proj=_array(self.gate_proj),
+                                 position_bias=_array(self.position_bias), kv_norm=_array(self.kv_norm))
 
 
 class Indexer(nnx.Module):
@@ -301,7 +312,7 @@ class Indexer(nnx.Module):
                                      param_dtype=param_dtype)
 
     def weights(self) -> IndexerWeights:
-        return IndexerWeights(q_b_proj=self.q_b_proj[...], weights_proj=self.weights_proj[...],
+        return IndexerWeights(q_b_proj=_array(self.q_b_proj), weights_proj=_array(self.weights_proj),
                               compressor=self.compressor.weights())
 
 
@@ -320,11 +331,17 @@ class DeepseekV4Attention(nnx.Module):
       dtype:        compute dtype; None = promote(hidden_states.dtype, param_dtype).
       param_dtype:  dtype of the projection weights. Norm weights, sinks and position biases
                     stay float32, as the reference keeps them.
-      precision:    `jax.lax.Precision` of the matmuls (None = backend default; on GPUs the
-                    default may use TF32 for float32 inputs).
-      query_block:  queries processed at a time in sparse attention (bounds memory).
+      precision:    `jax.lax.Precision` of the matmuls. None (default) means HIGHEST for a
+                    float32 compute dtype (true float32 on GPUs too, where XLA's default
+                    would use TF32) and the backend default for bf16.
+      query_block:  queries processed at a time by the indexer scoring and sparse attention
+                    (bounds the memory of long prefills).
       donate_cache: donate the input cache's buffers to the step (in-place updates; the
                     cache passed in becomes unusable after a successful call).
+      check_finite: reject NaN/inf in `hidden_states` before dispatch: True (every concrete
+                    input; a device sync for device arrays), "host" (NumPy inputs only),
+                    False (none: NaN reaches the output and the cache). None (default):
+                    `dsv4_jax.validation.CHECK_FINITE`, which is True.
 
     Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
     ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
@@ -335,7 +352,7 @@ class DeepseekV4Attention(nnx.Module):
 
     def __init__(self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs,
                  break_mode: str = "narrow", dtype=None, param_dtype=jnp.float32, precision=None,
-                 query_block: int = 256, donate_cache: bool = False):
+                 query_block: int = 256, donate_cache: bool = False, check_finite=None):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
         self.config = config
@@ -349,6 +366,8 @@ class DeepseekV4Attention(nnx.Module):
             raise ValueError(f"query_block: expected a positive int, got {query_block!r}")
         self.query_block = query_block
         self.donate_cache = bool(donate_cache)
+        validation.check_finite_mode(check_finite)
+        self.check_finite = check_finite
 
         c, h, d = config, config.num_attention_heads, config.head_dim
         pd = self.param_dtype
@@ -385,9 +404,9 @@ class DeepseekV4Attention(nnx.Module):
     def weights(self) -> AttentionWeights:
         """The current parameters as an `AttentionWeights` pytree of arrays."""
         return AttentionWeights(
-            q_a_proj=self.q_a_proj[...], q_a_norm=self.q_a_norm[...], q_b_proj=self.q_b_proj[...],
-            kv_proj=self.kv_proj[...], kv_norm=self.kv_norm[...], o_a_proj=self.o_a_proj[...],
-            o_b_proj=self.o_b_proj[...], sinks=self.sinks[...],
+            q_a_proj=_array(self.q_a_proj), q_a_norm=_array(self.q_a_norm), q_b_proj=_array(self.q_b_proj),
+            kv_proj=_array(self.kv_proj), kv_norm=_array(self.kv_norm), o_a_proj=_array(self.o_a_proj),
+            o_b_proj=_array(self.o_b_proj), sinks=_array(self.sinks),
             compressor=None if self.compressor is None else self.compressor.weights(),
             indexer=None if self.indexer is None else self.indexer.weights(),
         )
@@ -396,8 +415,11 @@ class DeepseekV4Attention(nnx.Module):
         """The static description of the compiled step this layer runs for such inputs."""
         breaks.check_break_mode(self.break_mode)
         dtype = jnp.dtype(self.dtype) if self.dtype is not None else jnp.promote_types(hidden_dtype, self.param_dtype)
+        precision = self.precision
+        if precision is None and jnp.dtype(dtype) == jnp.float32:
+            precision = jax.lax.Precision.HIGHEST
         return StepSpec(cfg=self.config, layer_type=self.layer_type, break_mode=self.break_mode,
-                        dtype=jnp.dtype(dtype), precision=self.precision, query_block=self.query_block,
+                        dtype=jnp.dtype(dtype), precision=precision, query_block=self.query_block,
                         return_intermediates=bool(return_intermediates))
 
     def __call__(self, hidden_states, positions, cache: AttentionCache, *, return_intermediates: bool = False):
@@ -413,7 +435,8 @@ class DeepseekV4Attention(nnx.Module):
         """
         spec, host_length = validation.check_call(self, hidden_states, positions, cache, return_intermediates)
         step = _step_donating if self.donate_cache else _step
-        out, new_cache, intermediates = step(self.weights(), cache, hidden_states, positions, spec=spec)
+        with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
+            out, new_cache, intermediates = step(self.weights(), cache, hidden_states, positions, spec=spec)
         if host_length is not None:
             # Host-side bookkeeping: the next call's checks need no device round trip.
             new_cache = new_cache.replace(length=host_length + np.int32(hidden_states.shape[1]))

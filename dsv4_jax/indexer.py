@@ -26,7 +26,7 @@ from .backend import Array, einsum, map_query_blocks, namespace, top_k_stable
 from .compressor import CompressorWeights
 from .rope import apply_rope
 
-# Queries scored at a time; bounds the [B, block, nI, T] float32 temporary.
+# Queries scored at a time by default; bounds the [B, block, nI, T] float32 temporary.
 SCORE_BLOCK = 256
 
 
@@ -59,7 +59,9 @@ def index_queries(q_residual: Array, q_b_proj: Array, positions: Array, freqs: A
 
 def _block_scores(queries: Array, weights: Array, visible: Array, keys: Array) -> Array:
     xp = namespace(queries, weights, keys, visible)
-    dots = einsum("bshc,btc->bsht", queries, keys, out_dtype=np.float32)  # [B, s, nI, T]
+    # float32 scores as the reference takes them; HIGHEST so that a GPU does not use TF32
+    # (the host twin computes exact float32: near-ties must be ordered alike in every mode).
+    dots = einsum("bshc,btc->bsht", queries, keys, out_dtype=np.float32, precision="highest")  # [B, s, nI, T]
     # Same order of operations as the reference: relu(q.k) * c^-1/2, times the head weight, sum.
     s = (xp.maximum(dots, 0.0) * np.float32(queries.shape[-1] ** -0.5) * weights[..., None]).sum(axis=2)
     s = xp.where(s == 0, np.float32(0.0), s)  # fold -0.0 into +0.0: ties must compare equal
@@ -67,12 +69,12 @@ def _block_scores(queries: Array, weights: Array, visible: Array, keys: Array) -
     return xp.where(seen, s, np.float32(-np.inf))
 
 
-def index_scores(queries: Array, weights: Array, keys: Array, visible: Array) -> Array:
+def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *, block: int = SCORE_BLOCK) -> Array:
     """Indexer scores, float32 [B, S, T]; entries a query may not see are -inf.
 
     queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c], visible int [B, S].
     """
-    return map_query_blocks(_block_scores, (queries, weights, visible), (keys,), SCORE_BLOCK)
+    return map_query_blocks(_block_scores, (queries, weights, visible), (keys,), block)
 
 
 def picks_from_scores(scores: Array, visible: Array, top_k: int) -> Array:
@@ -88,17 +90,17 @@ def picks_from_scores(scores: Array, visible: Array, top_k: int) -> Array:
 
 
 def select_topk(queries: Array, weights: Array, keys: Array, visible: Array, *, top_k: int,
-                with_scores: bool = False):
+                with_scores: bool = False, block: int = SCORE_BLOCK):
     """The indexer's selection: scores, then stable top-k with -1 padding (module contract).
 
     queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c], visible int32 [B, S]
     -> picks int32 [B, S, top_k] (and the scores float32 [B, S, T] if `with_scores`).
-    Blocked over queries: only [B, SCORE_BLOCK, nI, T] exists at a time.
+    Blocked over queries: only [B, block, nI, T] exists at a time.
     """
 
-    def block(q, w, vis, k):
+    def select_block(q, w, vis, k):
         scores = _block_scores(q, w, vis, k)
         picks = picks_from_scores(scores, vis, top_k)
         return (picks, scores) if with_scores else picks
 
-    return map_query_blocks(block, (queries, weights, visible), (keys,), SCORE_BLOCK)
+    return map_query_blocks(select_block, (queries, weights, visible), (keys,), block)

@@ -238,3 +238,15 @@ def test_donated_cache_gives_the_same_result(long_input):
     ref, _, _ = run_schedule(random_layer(cfg, 2, seed=8), x, [30, 1, 22])
     out, _, _ = run_schedule(random_layer(cfg, 2, seed=8, donate_cache=True), x, [30, 1, 22])
     np.testing.assert_array_equal(out, ref)
+
+
+def test_query_blocks_do_not_change_the_result(long_input):
+    """Long prefills run the indexer scoring and sparse attention in query blocks (a lax.map)."""
+    cfg, x = long_input
+    for layer in (1, 2):
+        ref, ref_extras, _ = run_schedule(random_layer(cfg, layer, seed=4), x, [53], return_intermediates=True)
+        blocked = random_layer(cfg, layer, seed=4, query_block=7)
+        out, extras, _ = run_schedule(blocked, x, [53], return_intermediates=True)
+        assert rel_err(out, ref) < 1e-6
+        if layer == 1:
+            np.testing.assert_array_equal(np.asarray(extras[0][0].topk), np.asarray(ref_extras[0][0].topk))

@@ -80,13 +80,10 @@ def test_fewer_entry_slots_than_top_k_pads_to_top_k():
     assert picks.tolist() == [[[0, -1, -1, -1]]]
 
 
-def test_blocked_scoring_equals_unblocked(monkeypatch):
-    import dsv4_jax.indexer as indexer
-
+def test_blocked_scoring_equals_unblocked():
     q, w, keys, visible = random_inputs(1, s=23)
     whole = select_topk(q, w, keys, visible, top_k=5, with_scores=True)
-    monkeypatch.setattr(indexer, "SCORE_BLOCK", 4)
     for xp in (np, jnp):
-        blocked = select_topk(*(xp.asarray(a) for a in (q, w, keys, visible)), top_k=5, with_scores=True)
+        blocked = select_topk(*(xp.asarray(a) for a in (q, w, keys, visible)), top_k=5, with_scores=True, block=4)
         np.testing.assert_array_equal(np.asarray(blocked[0]), whole[0])
         np.testing.assert_allclose(np.asarray(blocked[1]), whole[1], rtol=1e-5, atol=1e-6)
