@@ -193,6 +193,23 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     return out.replace(indexer=index_state, picks=picks, index_scores=scores)
 
 
+def stage_weights(weights: AttentionWeights) -> AttentionWeights:
+    """Only the parameters stages 2-4 read (what the wide break has to copy to the host).
+
+    The input projections of stage 1 and the output projections of stage 6 stay behind:
+    at V4-Flash sizes that is a third of the layer's weight bytes instead of all of them.
+    """
+    def compressor(w: CompressorWeights | None):
+        return None if w is None else w.replace(kv_proj=None, gate_proj=None)
+
+    return weights.replace(
+        q_a_proj=None, q_a_norm=None, kv_proj=None, kv_norm=None, o_a_proj=None, o_b_proj=None, sinks=None,
+        compressor=compressor(weights.compressor),
+        indexer=None if weights.indexer is None else weights.indexer.replace(
+            weights_proj=None, compressor=compressor(weights.indexer.compressor)),
+    )
+
+
 # ---------------------------------------------------------------------------- the step
 def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_states, positions,
                    spec: StepSpec):
@@ -225,7 +242,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
     if spec.break_mode == "wide":
         stage_fn = functools.partial(run_stages, spec=spec, select=breaks.indexer_select("none"))
-        stages = breaks.host_call(stage_fn, inputs, cache, positions, weights)
+        stages = breaks.host_call(stage_fn, inputs, cache, positions, stage_weights(weights))
     else:
         stages = run_stages(inputs, cache, positions, weights, spec, breaks.indexer_select(spec.break_mode))
 
@@ -418,7 +435,10 @@ class DeepseekV4Attention(nnx.Module):
         precision = self.precision
         if precision is None and jnp.dtype(dtype) == jnp.float32:
             precision = jax.lax.Precision.HIGHEST
-        return StepSpec(cfg=self.config, layer_type=self.layer_type, break_mode=self.break_mode,
+        # The narrow break is the indexer's: a layer without one (sliding, HCA) has no break in
+        # narrow mode, so it runs, and shares, the compiled step of "none".
+        break_mode = "none" if self.break_mode == "narrow" and self.layer_type != CSA else self.break_mode
+        return StepSpec(cfg=self.config, layer_type=self.layer_type, break_mode=break_mode,
                         dtype=jnp.dtype(dtype), precision=precision, query_block=self.query_block,
                         return_intermediates=bool(return_intermediates))
 

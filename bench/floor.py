@@ -1,0 +1,67 @@
+"""The speed-of-light floor of a call on a GPU: max(bytes / bandwidth, FLOPs / matrix rate).
+
+Bytes: every weight once, plus the cache a query must read (window keys; CSA: the indexer keys of
+every visible entry and the ``index_topk`` picked entries; HCA: every visible entry), plus the
+call's input and output activations. FLOPs: 2 per multiply-add of the projections, the indexer
+scoring (CSA) and sparse attention (QK and PV over window + picked / visible entries).
+
+The issue fixes the rates: ~4.3 TB/s (an H200 device-to-device copy) and ~790 TFLOP/s (bf16
+matrix rate) for the H200; `bench/run.py` also measures both on the machine and records them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+H200_BYTES_PER_S = 4.3e12
+H200_FLOPS = 790e12
+
+
+def projection_params(cfg, layer: str) -> int:
+    """Multiply-add weights a token goes through (all projections of the layer)."""
+    h, d, lq, hid = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hidden_size
+    n = hid * lq + lq * h * d + hid * d + h * d * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * hid
+    if layer == "csa":
+        n += 2 * hid * 2 * d  # compressor kv + gate (overlapping: 2 x head_dim wide)
+        c, ni = cfg.index_head_dim, cfg.index_n_heads
+        n += lq * ni * c + hid * ni + 2 * hid * 2 * c  # indexer q_b, weights_proj, its compressor
+    else:
+        n += 2 * hid * d
+    return n
+
+
+def _per_query(cfg, layer: str, t: np.ndarray):
+    """Cache keys read and attention/indexer FLOPs of queries at positions t (numpy arrays)."""
+    h, d = cfg.num_attention_heads, cfg.head_dim
+    window = np.minimum(t + 1, cfg.sliding_window)
+    if layer == "csa":
+        visible = (t + 1) // cfg.csa_compress_rate
+        picked = np.minimum(visible, cfg.index_topk)
+        keys = window + picked
+        index_flops = 2.0 * cfg.index_n_heads * cfg.index_head_dim * visible
+        index_bytes_elems = visible * cfg.index_head_dim
+    else:
+        visible = (t + 1) // cfg.hca_compress_rate
+        keys = window + visible
+        index_flops = 0.0 * visible
+        index_bytes_elems = 0 * visible
+    attn_flops = 4.0 * h * d * keys
+    return keys, attn_flops + index_flops, index_bytes_elems
+
+
+def floor(cfg, layer: str, batch: int, start: int, new_tokens: int, weight_bytes: int, itemsize: int,
+          bytes_per_s: float = H200_BYTES_PER_S, flops_per_s: float = H200_FLOPS) -> dict:
+    """Floor of one call of `new_tokens` per row starting at position `start` (seconds and parts)."""
+    t = np.arange(start, start + new_tokens, dtype=np.int64)
+    keys, flops_q, index_elems = _per_query(cfg, layer, t)
+    flops = batch * (2.0 * projection_params(cfg, layer) * new_tokens + float(flops_q.sum()))
+    d = cfg.head_dim
+    if new_tokens == 1:  # decode: the cache a step reads, per row
+        cache_elems = float(keys[-1] * d + index_elems[-1])
+    else:  # prefill: every key read once (it is written by this call) + the entries written
+        cache_elems = float(keys.max() * d + index_elems.max())
+    act_elems = new_tokens * (2 * cfg.hidden_size)
+    nbytes = weight_bytes + batch * (cache_elems + act_elems) * itemsize
+    t_bytes, t_flops = nbytes / bytes_per_s, flops / flops_per_s
+    return {"floor_ms": 1e3 * max(t_bytes, t_flops), "floor_bytes": nbytes, "floor_flops": flops,
+            "floor_bound": "bytes" if t_bytes >= t_flops else "flops"}

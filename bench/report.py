@@ -1,0 +1,218 @@
+"""Markdown tables and a PNG plot from the benchmark's JSON records."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+from .plan import MODES, PEER
+
+IMPLS = (*MODES, PEER)
+
+
+def _fmt(v, digits=3):
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if v == 0:
+        return "0"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.{digits}g}"
+
+
+def _ratio(a, b):
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _groups(records, scenario):
+    groups: OrderedDict = OrderedDict()
+    for r in records:
+        if r["scenario"] != scenario:
+            continue
+        key = (r["layer_type"], r["batch"], r["prompt_len"])
+        groups.setdefault(key, {})[r["mode"]] = r
+    return groups
+
+
+def _cell(r, metric, p90=None):
+    if r is None:
+        return "-"
+    if r.get("skipped"):
+        return "skip"
+    if r.get("error"):
+        return "OOM" if "OutOfMemory" in r["error"] else "error"
+    v = r.get(metric)
+    s = _fmt(v)
+    if p90 and r.get(p90) is not None:
+        s += f" / {_fmt(r[p90])}"
+    return s
+
+
+def _diffs(g):
+    parts = []
+    for m in ("narrow", "wide", PEER):
+        r = g.get(m)
+        if r is not None and r.get("max_abs_diff_vs_none") is not None:
+            parts.append(f"{m[0] if m != PEER else 'hf'} {r['max_abs_diff_vs_none']:.1e}")
+    picks = [f"{m[0]} {g[m]['picks_set_overlap_vs_none']:.3f}" for m in ("narrow", "wide")
+             if g.get(m) is not None and g[m].get("picks_set_overlap_vs_none") is not None]
+    s = ", ".join(parts) if parts else "-"
+    if picks:
+        s += "; picks overlap " + ", ".join(picks)
+    return s
+
+
+def table(records, scenario: str, metric: str, p90: str | None = None) -> str:
+    """One Markdown table: a row per (layer, batch, length), a column per impl, then ratios."""
+    groups = _groups(records, scenario)
+    if not groups:
+        return ""
+    has_floor = any(r.get("floor_ms") for g in groups.values() for r in g.values())
+    head = ["layer", "B", "ctx" if scenario == "decode_long" else "prompt", "entries/top-k"]
+    head += [f"{m} ms" for m in IMPLS]
+    head += ["wide/narrow", "narrow/none", "none/HF", "narrow/HF"]
+    if has_floor:
+        head += ["floor ms", "none/floor", "narrow/floor"]
+    raw = any(r.get("raw_step_ms_median") for g in groups.values() for r in g.values()) and metric.startswith("decode")
+    if raw:
+        head += ["none raw step ms", "narrow raw step ms"]
+    head += ["max abs diff vs none (n, w, hf); picks overlap"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (lt, b, plen), g in groups.items():
+        any_r = next(iter(g.values()))
+        val = {m: (g[m].get(metric) if m in g and not g[m].get("skipped") and not g[m].get("error") else None)
+               for m in IMPLS}
+        row = [lt, str(b), str(plen), f"{any_r.get('entries', '-')}/{any_r.get('top_k') or 'all'}"]
+        row += [_cell(g.get(m), metric, p90) for m in IMPLS]
+        row += [_fmt(_ratio(val["wide"], val["narrow"])), _fmt(_ratio(val["narrow"], val["none"])),
+                _fmt(_ratio(val["none"], val[PEER])), _fmt(_ratio(val["narrow"], val[PEER]))]
+        if has_floor:
+            fl = any_r.get("ttft_floor_ms" if metric == "ttft_ms" and scenario == "decode_pr" else "floor_ms")
+            row += [_fmt(fl), _fmt(_ratio(val["none"], fl)), _fmt(_ratio(val["narrow"], fl))]
+        if raw:
+            row += [_cell(g.get("none"), "raw_step_ms_median"), _cell(g.get("narrow"), "raw_step_ms_median")]
+        row.append(_diffs(g))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def compile_table(records) -> str:
+    rows: OrderedDict = OrderedDict()
+    for r in records:
+        if r["mode"] == PEER:
+            continue
+        key = (r["scenario"], r["layer_type"], r["batch"], r["prompt_len"])
+        rows.setdefault(key, {})[r["mode"]] = r
+    head = ["scenario", "layer", "B", "len"] + [f"{m} compile s" for m in MODES] + ["host breaks / call (n, w)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (sc, lt, b, plen), g in rows.items():
+        cells = [_cell(g.get(m), "compile_s") for m in MODES]
+        br = ", ".join(str(g[m].get("host_breaks")) for m in ("narrow", "wide") if m in g)
+        lines.append("| " + " | ".join([sc, lt, str(b), str(plen), *cells, br or "-"]) + " |")
+    return "\n".join(lines)
+
+
+def skips(records) -> str:
+    out = []
+    for r in records:
+        if r.get("skipped") or r.get("error"):
+            what = r.get("skipped") or ("error: " + r["error"])
+            out.append(f"- {r['scenario']} {r['layer_type']} B={r['batch']} len={r['prompt_len']} "
+                       f"{r['mode']}: {what}")
+    return "\n".join(out)
+
+
+def cmdbuf_table(cb: dict) -> str:
+    """Command buffers (CUDA graphs) and host breaks of one decode step, per layer and mode."""
+    rows = [k for k in cb if "/" in k]
+    if not rows:
+        return ""
+    head = ["layer/mode", "host callbacks in step", "top-level thunks (XLA dump)", "command buffers (log)",
+            "thunks per command buffer (log)", "thunks left outside graphs (dump)", "not graphed (min size, log)"]
+    lines = [f"decode step, B={cb.get('batch')}, context {cb.get('context')}, XLA_FLAGS='{cb.get('xla_flags')}'",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k in rows:
+        c = cb[k]
+        dump = c.get("thunk_dump") or {}
+        lines.append("| " + " | ".join([
+            k, str(c.get("host_callbacks_in_step")), " > ".join(dump.get("top_level", [])) or "-",
+            str(c.get("command_buffers")), ", ".join(str(g) for g in c.get("graphs", [])) or "-",
+            str(dump.get("thunks_outside_command_buffers", "-")), str(c.get("thunks_not_graphed_min_size")),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def markdown(records, meta: dict | None = None) -> str:
+    parts = []
+    if meta:
+        parts.append(f"device: {meta.get('device')} | platform: {meta.get('platform')} | size: {meta.get('size')} "
+                     f"| dtype: {meta.get('dtype')} | jax {meta.get('jax_version')} | "
+                     f"peer: {meta.get('peer_versions') or meta.get('peer_unavailable')}")
+    parts.append("### decode, PR-like (2-token prompt, then decode steps): ms per step, median / p90")
+    parts.append(table(records, "decode_pr", "decode_ms_median", "decode_ms_p90"))
+    parts.append("### decode, PR-like: time to first token (the 2-token prompt), ms, median")
+    parts.append(table(records, "decode_pr", "ttft_ms"))
+    parts.append("### decode at long context (prefix prefilled untimed): ms per step, median / p90")
+    parts.append(table(records, "decode_long", "decode_ms_median", "decode_ms_p90"))
+    parts.append("### prefill: ms per call, median")
+    parts.append(table(records, "prefill", "prefill_ms"))
+    parts.append("### compile time (trace + lower + XLA compile of the warm-up) and host breaks")
+    parts.append(compile_table(records))
+    if meta and meta.get("cmdbuf"):
+        parts.append("### XLA command buffers per decode step (TF_CPP_VMODULE=command_buffer_conversion_pass=3)")
+        parts.append(cmdbuf_table(meta["cmdbuf"]))
+    s = skips(records)
+    if s:
+        parts.append("### skipped / failed\n" + s)
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def plot(records, path: Path, title: str = "") -> Path | None:
+    """Grouped bars (log scale): decode median and prefill per case, one bar per impl."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    panels = [("decode_pr", "decode_ms_median", "decode step, 2-token prompt (ms)"),
+              ("decode_long", "decode_ms_median", "decode step at long context (ms)"),
+              ("prefill", "prefill_ms", "prefill (ms)")]
+    panels = [p for p in panels if any(r["scenario"] == p[0] for r in records)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
+    colors = {"none": "#1f77b4", "narrow": "#2ca02c", "wide": "#d62728", PEER: "#7f7f7f"}
+    for ax, (scenario, metric, label) in zip(axes[:, 0], panels, strict=True):
+        groups = _groups(records, scenario)
+        labels = [f"{lt} B{b} L{p}" for (lt, b, p) in groups]
+        width = 0.8 / len(IMPLS)
+        for i, m in enumerate(IMPLS):
+            xs, ys = [], []
+            for j, g in enumerate(groups.values()):
+                r = g.get(m)
+                if r and not r.get("skipped") and not r.get("error") and r.get(metric):
+                    xs.append(j + (i - 1.5) * width)
+                    ys.append(r[metric])
+            if xs:
+                ax.bar(xs, ys, width=width, label=m, color=colors[m])
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=20, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, ncol=4)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
