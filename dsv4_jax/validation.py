@@ -13,7 +13,7 @@ be written into the window and compressor caches and poison every later call. Th
 a host scan for NumPy inputs (about 2 us for a decode token of 4096 values) and one jitted
 `isfinite().all()` reduction plus a device sync for `jax.Array` inputs (about 40 us on CPU;
 on an H200, V4-Flash decode, +0.2-0.7 ms per call, because the sync stops the host from
-dispatching ahead of the device; docs/misuse.md has the measurements). It is
+dispatching ahead of the device; the README's misuse section has the measurements). It is
 set per layer by the attribute ``attn.check_finite`` (absent or None: the module-level
 `CHECK_FINITE`, True unless changed):
 

@@ -1,6 +1,6 @@
 """Misuse: every bad input is refused with a clear error, and the cache stays usable.
 
-Each rejected call names the argument, what was expected and what came (docs/misuse.md has
+Each rejected call names the argument, what was expected and what came (the README's misuse table has
 the table). After a rejection the next valid call on the same cache must reproduce the
 recorded HF output, which shows that nothing of the rejected call reached the cache.
 """
@@ -169,7 +169,8 @@ def test_nonfinite_check_modes(tiny, csa):
             assert np.isnan(np.asarray(o)).all()
             assert np.isnan(np.asarray(c.window)).any()
         csa.check_finite = "sometimes"
-        with pytest.raises(ValueError, match=r"check_finite: expected one of \(None, True, 'host', False\), got 'sometimes'"):
+        expected = r"check_finite: expected one of \(None, True, 'host', False\), got 'sometimes'"
+        with pytest.raises(ValueError, match=expected):
             csa(_h(tiny), _p(tiny), cache)
     finally:
         csa.check_finite = previous
