@@ -37,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import dsv4_jax.validation  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import peer as peer_mod  # noqa: E402
@@ -259,7 +260,11 @@ def run(args, partial=None) -> tuple[list, dict]:
         dtype_bytes=dtype.itemsize, hf_mem_gb=args.hf_mem_gb,
     )
     out_dir = Path(args.json).resolve().parent if args.json else None
+    # The layer's default rejects non-finite inputs before dispatch (a device sync for jax.Array
+    # inputs); recorded, and switchable, because it is part of the module call being timed.
+    dsv4_jax.validation.CHECK_FINITE = {"true": True, "host": "host", "false": False}[args.check_finite]
     meta = {"size": args.size, "quick": args.quick, "dtype": dtype.name, "argv": sys.argv[1:],
+            "check_finite": dsv4_jax.validation.CHECK_FINITE,
             "config": {k: v for k, v in cfg.__dict__.items() if k != "layer_types"},
             "peer_unavailable": None if use_peer else (peer_reason or "--no-peer")}
 
@@ -406,6 +411,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default=None, help="comma list of decode_pr,decode_long,prefill")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-finite", choices=("true", "host", "false"), default="true",
+                    help="the layer's non-finite input check (default: true, the layer's default)")
     ap.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     ap.add_argument("--hf-mem-gb", type=float, default=None, help="cap of HF's estimated peak memory")
     ap.add_argument("--torch-threads", type=int, default=None,
