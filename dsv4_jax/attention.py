@@ -172,7 +172,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         return out
 
     cw = weights.compressor
-    comp_state, _ = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
+    comp_state = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
                              position_bias=cw.position_bias, kv_norm=cw.kv_norm,
                              overlap=spec.layer_type == CSA, **common)
     out = out.replace(compressor=comp_state)
@@ -180,7 +180,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         return out
 
     iw = weights.indexer
-    index_state, _ = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
+    index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
                               position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
                               overlap=True, **common)
     queries = index_queries(inputs.q_residual, iw.q_b_proj, positions, compress_freqs,

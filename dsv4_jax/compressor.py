@@ -62,16 +62,17 @@ def compress(
     freqs: Array,
     rope_scale: float,
     eps: float,
-) -> tuple[CompressorCache, Array]:
+) -> CompressorCache:
     """Append a call's tokens to the compressor; emit the entries of windows they complete.
 
     kv, gate:  [B, S, n*Dc]  this call's projections (positions ``length .. length+S-1``)
     state:     the compressor's cache before the call
     length:    [B] int32     tokens seen before this call
-    returns    (state after the call, entries of this call [B, L, Dc]) where
-               ``L = (m - 1 + S) // m + 1`` bounds the windows the stream can touch; entry j
-               of a row is real iff ``j < (length % m + S) // m``, and is entry number
-               ``length // m + j`` of the sequence.
+    returns    the state after the call: the entries of the windows this call completes are
+               written at rows ``length // m ..``, the rest of the stream waits in the buffer.
+
+    The stream can touch ``L = (m - 1 + S) // m + 1`` windows; all L are pooled (fixed
+    shapes) and window j of a row is written iff ``j < (length % m + S) // m``.
 
     Shapes per step (Dc = entry width, n = 2 for CSA else 1):
       stream  [B, L*m, n*Dc]    buffered tokens, then the new ones, zero-padded
@@ -148,7 +149,7 @@ def compress(
             overlap_kv=xp.where(any_new, window_rows(win_kv[..., :dc], last), state.overlap_kv),
             overlap_gate=xp.where(any_new, window_rows(win_gate[..., :dc], last), state.overlap_gate),
         )
-    return new_state, pooled
+    return new_state
 
 
 def visible_entries(positions: Array, ratio: int) -> Array:
