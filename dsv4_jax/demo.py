@@ -32,6 +32,8 @@ def run_layer(cfg: DeepseekV4Config, layer_idx: int, x: np.ndarray, prompt: int,
     layer_type = cfg.layer_type(layer_idx)
     print(f"\n== layer {layer_idx}: {layer_type} ==")
     attn = DeepseekV4Attention(cfg, layer_idx, rngs=nnx.Rngs(layer_idx))
+    if layer_type != CSA:
+        print("  (no indexer here: 'narrow' has no break and shares the compiled step of 'none')")
     results = {}
     for mode in modes:
         attn.break_mode = mode
@@ -47,7 +49,7 @@ def run_layer(cfg: DeepseekV4Config, layer_idx: int, x: np.ndarray, prompt: int,
             step_times.append(dt)
         decode_ms = 1e3 * float(np.median(step_times[1:] if len(step_times) > 1 else step_times))
         results[mode] = np.concatenate(outs, axis=1), picks, cache, inter
-        print(f"  {mode:>6}: prefill {prompt} tokens {1e3 * first:8.1f} ms (first call, compile included); "
+        print(f"  {mode:>6}: prefill {prompt} tokens {1e3 * first:8.1f} ms (first call: compiles, unless shared); "
               f"{steps} decode steps, median {decode_ms:6.2f} ms/step after the first")
 
     ref_out, ref_picks, cache, inter = results[modes[0]]
