@@ -14,8 +14,8 @@ a host scan for NumPy inputs (about 2 us for a decode token of 4096 values) and 
 `isfinite().all()` reduction plus a device sync for `jax.Array` inputs (about 40 us on CPU;
 on an H200, V4-Flash decode, +0.2-0.7 ms per call, because the sync stops the host from
 dispatching ahead of the device; the README's misuse section has the measurements). It is
-set per layer by the attribute ``attn.check_finite`` (absent or None: the module-level
-`CHECK_FINITE`, True unless changed):
+set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
+``attn.check_finite`` (None: the module-level `CHECK_FINITE`, True unless changed):
 
 * ``True``    check every concrete input (the default);
 * ``"host"``  check NumPy (host) inputs only, let device arrays through unchecked;
@@ -143,8 +143,7 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
             f"hidden_states: expected at most {cache.max_seq_len - int(length[0])} new tokens (the cache "
             f"holds {int(length[0])} of max_seq_len={cache.max_seq_len}), got {seq}"
         )
-    mode = getattr(attn, "check_finite", None)
-    check_finite("hidden_states", hidden_states, CHECK_FINITE if mode is None else mode)
+    check_finite("hidden_states", hidden_states, CHECK_FINITE if attn.check_finite is None else attn.check_finite)
     return spec, length.astype(np.int32)
 
 

@@ -79,30 +79,23 @@ def test_default_call_returns_out_and_cache(tiny_layers):
     assert len(res) == 3 and isinstance(res[2], dsv4_jax.Intermediates)
 
 
-def _count_eqns(jaxpr) -> int:
+def _all_eqns(jaxpr):
     """Equations of a jaxpr, those of nested jaxprs (pjit, map, cond, ...) included."""
-    n = 0
     for eqn in jaxpr.eqns:
-        n += 1
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    n += _count_eqns(inner)
-    return n
+                    yield from _all_eqns(inner)
+
+
+def _count_eqns(jaxpr) -> int:
+    return sum(1 for _ in _all_eqns(jaxpr))
 
 
 def _callback_outputs(jaxpr) -> list[list]:
-    found = []
-    for eqn in jaxpr.eqns:
-        if "callback" in eqn.primitive.name:
-            found.append([v.aval for v in eqn.outvars])
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _callback_outputs(inner)
-    return found
+    return [[v.aval for v in eqn.outvars] for eqn in _all_eqns(jaxpr) if "callback" in eqn.primitive.name]
 
 
 @pytest.mark.parametrize("break_mode", dsv4_jax.BREAK_MODES)
