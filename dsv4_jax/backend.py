@@ -44,9 +44,12 @@ def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) ->
     """
     xp = namespace(a, b)
     if xp is np:
-        # NumPy has no bf16 kernels: compute in float32 (which is what accumulation means here).
-        out = np.einsum(subscripts, np.asarray(a, np.float32), np.asarray(b, np.float32), optimize=True)
-        return out.astype(out_dtype)
+        # Round the operands to `out_dtype` as the XLA branch does (a float32 weight of a bf16
+        # layer becomes bf16; ml_dtypes supplies NumPy's bfloat16), then compute in float32:
+        # NumPy has no bf16 kernels, and float32 is what the accumulation is anyway.
+        dtype = np.dtype(out_dtype)
+        a32, b32 = (np.asarray(v).astype(dtype).astype(np.float32) for v in (a, b))
+        return np.einsum(subscripts, a32, b32, optimize=True).astype(dtype)
     return jnp.einsum(subscripts, a.astype(out_dtype), b.astype(out_dtype), precision=precision)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 SLIDING = "sliding_attention"
@@ -161,10 +161,6 @@ class DeepseekV4Config:
     def rope_kind(layer_type: str) -> str:
         """"main" (theta 10000, plain) for sliding layers, "compress" (YaRN) for CSA/HCA."""
         return "main" if layer_type == SLIDING else "compress"
-
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -353,8 +349,3 @@ def _yarn_from_dict(rope: Mapping[str, Any]) -> YarnScaling | None:
         attention_factor=float(attention_factor),
         truncate=bool(rope.get("truncate", True)),
     )
-
-
-def layer_types_from_ratios(ratios: Sequence[int]) -> tuple[str, ...]:
-    """Map a hub `compress_ratios` list (0/4/128) to layer types."""
-    return tuple(_RATIO_TO_LAYER_TYPE[r] for r in ratios)

@@ -7,13 +7,19 @@ Used by the live parity tests (the ``[hf]`` extra) and as the benchmark's peer. 
 `dsv4_jax` layer, plus a `DynamicCache`, and runs calls the way `DeepseekV4Model` does
 (mask built before the layer updates the cache, rotary tables for both rope kinds).
 
-Top-k ties: `torch.topk` leaves the order of equal scores unspecified, so the runner swaps in
-a stable top-k during its calls (equal scores: lower entry index first), the project's rule.
+Top-k ties: `torch.topk` leaves the order of equal scores unspecified, so the runner's indexer
+runs inside `stable_topk()` (equal scores: lower entry index first), the project's rule. That is
+a torch function mode: it holds only inside the `with` block and only on the calling thread;
+nothing of torch is patched, so other code in the process keeps the stock `topk`. It is entered
+around the indexer's forward only (the one place HF's attention calls topk), because a function
+mode adds a few microseconds of Python to every torch call it sees (the benchmark times
+`forward`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 
 import numpy as np
@@ -24,50 +30,76 @@ from .config import DeepseekV4Config
 _FP32_KEEP = ("sinks", "position_bias", "q_a_norm", "kv_norm")
 
 
-def hf_config(cfg: DeepseekV4Config):
-    """A transformers `DeepseekV4Config` for `cfg` (eager attention, the only V4 backend)."""
+# Fields of the HF model outside attention, small (only the attention layer is ever built).
+_MODEL_FIELDS = dict(vocab_size=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def hf_config(cfg: DeepseekV4Config, **model_fields):
+    """A transformers `DeepseekV4Config` for `cfg` (eager attention, the only V4 backend).
+
+    `model_fields` override HF fields outside attention (vocab, MoE, mHC sizes) or the
+    attention fields of `cfg.to_hf()`.
+    """
     import transformers
     from transformers import DeepseekV4Config as HFConfig
 
     # HF warns that YaRN's factor differs from max_position / original (V4 sets it explicitly).
     transformers.logging.set_verbosity_error()
-    return HFConfig(
-        **cfg.to_hf(),
-        vocab_size=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        attn_implementation="eager",
-    )
+    return HFConfig(**{**cfg.to_hf(), **_MODEL_FIELDS, **model_fields}, attn_implementation="eager")
+
+
+def _stable_topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):  # torch.topk's signature
+    import torch
+
+    if out is not None:
+        raise NotImplementedError("stable_topk: topk(..., out=) is not supported")
+    values, indices = torch.sort(input, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 
 
 @contextlib.contextmanager
 def stable_topk():
-    """Within the block, `Tensor.topk` breaks ties by the lower index (a stable sort)."""
+    """Within the block, on this thread, `torch.topk` / `Tensor.topk` break ties by the lower index.
+
+    A `TorchFunctionMode` (thread-local, popped on exit even when the block raises), not a
+    patch of `torch.Tensor.topk`: code outside the block, and other threads meanwhile, see
+    the stock `topk`. Descending stable sort: `-inf` entries come last in index order, and
+    `-0.0` ties with `0.0` (sorting compares values).
+    """
     import torch
+    from torch.overrides import TorchFunctionMode
 
-    original = torch.Tensor.topk
+    class StableTopk(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.topk or func is torch.Tensor.topk:
+                return _stable_topk(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
 
-    def topk(self, k, dim=-1, largest=True, sorted=True):
-        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
-        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
-
-    torch.Tensor.topk = topk
-    try:
+    with StableTopk():
         yield
-    finally:
-        torch.Tensor.topk = original
+
+
+def _under_stable_topk(forward):
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        with stable_topk():
+            return forward(*args, **kwargs)
+
+    return wrapped
 
 
 class HFAttentionRunner:
     """One HF attention layer with its cache; `__call__(hidden, positions) -> out` (NumPy)."""
 
     def __init__(self, cfg: DeepseekV4Config, layer_idx: int, weights: Mapping[str, np.ndarray],
-                 dtype: str = "float32", device: str = "cpu"):
+                 dtype: str = "float32", device: str = "cpu", **model_fields):
         import torch
         from transformers.cache_utils import DynamicCache
         from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
         self.torch = torch
         self.hf = hf
-        self.config = hf_config(cfg)
+        self.config = hf_config(cfg, **model_fields)
         self.layer_idx = layer_idx
         self.dtype = getattr(torch, dtype)
         self.device = device
@@ -78,6 +110,9 @@ class HFAttentionRunner:
         for name, param in layer.named_parameters():
             if any(part in name for part in _FP32_KEEP):
                 param.data = param.data.float()
+        indexer = getattr(getattr(layer, "compressor", None), "indexer", None)
+        if indexer is not None:  # CSA: this layer's indexer, and nothing else, picks ties by the rule
+            indexer.forward = _under_stable_topk(indexer.forward)
         self.layer = layer
         self.rotary = hf.DeepseekV4RotaryEmbedding(self.config).to(device)
         self.cache = DynamicCache(config=self.config)
@@ -100,7 +135,7 @@ class HFAttentionRunner:
         from transformers.masking_utils import create_sliding_window_causal_mask
 
         torch = self.torch
-        with torch.no_grad(), stable_topk():
+        with torch.no_grad():
             pe = {kind: self.rotary(x, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
             mask = create_sliding_window_causal_mask(
                 config=self.config, inputs_embeds=x, attention_mask=None,

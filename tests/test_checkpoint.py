@@ -3,9 +3,9 @@
 The checkpoints are written with the real `safetensors` writer, in HF naming
 (``model.layers.{i}.self_attn.*``) and DeepSeek's official naming (``layers.{i}.attn.*``),
 with FP8 e4m3 weights + UE8M0 128x128 block scales (quantized here with ml_dtypes) or plain
-float32, as one file or sharded with an index. The loaded layer is checked against the
-dequantized reference (bit-exact in float32) and, for float32 checkpoints, against the
-recorded HF outputs.
+float32, as one file or sharded with an index. The loaded layer's parameters are checked
+against the dequantized reference (bit-exact in float32, in the layout of test_weights.LAYOUT)
+and, for float32 checkpoints, its output against the recorded HF outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from helpers import load_golden
 from safetensors.numpy import save_file
+from test_weights import assert_holds_in_jax_layout  # the HF -> layer layout, written once
 
 import dsv4_jax
 from dsv4_jax import checkpoint
@@ -142,10 +143,8 @@ def make_layer(cfg, i, **kw):
 
 
 def assert_loaded(attn, reference):
-    got = export_hf_attention_weights(attn)
-    assert set(got) == set(reference)
-    for name, ref in reference.items():
-        np.testing.assert_array_equal(got[name], ref, err_msg=name)
+    """The layer's parameters are exactly `reference` ({HF name: float32 tensor in HF layout})."""
+    assert_holds_in_jax_layout(attn, reference)
 
 
 def replay_first_call(attn, g, i):
@@ -182,7 +181,10 @@ def test_load_both_namings_with_and_without_fp8(tmp_path, tiny, naming, fp8, sha
     for i in range(cfg.num_layers):
         attn = make_layer(cfg, i)
         info = dsv4_jax.load_attention_checkpoint(attn, path)
+        assert isinstance(info, checkpoint.CheckpointLayer)
         assert info.naming == naming and info.layer_idx == i
+        prefix = f"model.layers.{i}.self_attn." if naming == "hf" else f"layers.{i}.attn."
+        assert info.keys == {n: prefix + (n if naming == "hf" else HF_TO_OFFICIAL[n]) for n in weights[i]}
         assert set(info.fp8) == ({n for n in FP8 if n in weights[i]} if fp8 else set())
         if sharded:
             assert [os.path.basename(f) for f in info.files] == [f"model-0000{i + 1}-of-00003.safetensors"
@@ -385,4 +387,3 @@ def test_bad_paths_and_namings(tmp_path, tiny):
     both = write(tmp_path / "both.safetensors", {**hf, **official})
     with pytest.raises(ValueError, match="expected one naming for layer 0, got both"):
         dsv4_jax.load_attention_checkpoint(attn, both)
-    assert checkpoint.CheckpointLayer  # the result type is public

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 
+import jax
 import pytest
 
 from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
@@ -38,6 +41,18 @@ def test_hub_form_gives_the_flash_preset():
     assert counts == {SLIDING: 2, CSA: 21, HCA: 20}
 
 
+def test_to_hf_writes_what_hf_wrote_for_the_same_model(golden):
+    """`to_hf()` against HF's own serialization of the recorded model (the npz's `hf_config`,
+    written by transformers 5.23.0): every field it writes, with HF's value."""
+    hf = golden.meta["hf_config"]
+    ours = golden.cfg.to_hf()
+    # The recording left YaRN's `truncate` at HF's default (True), so its config.json omits it.
+    want_compress = {"truncate": True, **hf["rope_parameters"]["compress"]}
+    assert ours["rope_parameters"] == {"main": hf["rope_parameters"]["main"], "compress": want_compress}
+    assert {k: v for k, v in ours.items() if k != "rope_parameters"} == {
+        k: hf[k] for k in ours if k != "rope_parameters"}
+
+
 def test_round_trip_through_the_normalized_form():
     for cfg in (DeepseekV4Config.flash(), DeepseekV4Config.pro(), DeepseekV4Config.tiny()):
         assert DeepseekV4Config.from_hf(cfg.to_hf()) == cfg
@@ -66,11 +81,28 @@ def test_per_layer_helpers():
         cfg.layer_type(3)
 
 
-def test_config_is_hashable_and_frozen():
-    cfg = DeepseekV4Config.tiny()
-    assert hash(cfg) == hash(DeepseekV4Config.tiny())
+def test_equal_configs_share_one_compiled_step():
+    """The config is a static argument of the jitted step: equal configs, however built (a list
+    of layer types, a parsed config.json), must hit one compiled program, a different one not."""
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(cfg, x):
+        traces.append(cfg)
+        return x * cfg.hidden_size
+
+    tiny = DeepseekV4Config.tiny()
+    for cfg in (tiny, DeepseekV4Config.tiny(layer_types=[SLIDING, CSA, HCA]),
+                DeepseekV4Config.from_hf(json.loads(json.dumps(tiny.to_hf())))):
+        assert float(step(cfg, 1.0)) == 64.0
+    assert len(traces) == 1
+    step(DeepseekV4Config.tiny(sliding_window=16), 1.0)
+    assert len(traces) == 2
+
+
+def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.hidden_size = 1
+        DeepseekV4Config.tiny().hidden_size = 1
 
 
 @pytest.mark.parametrize(

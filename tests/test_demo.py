@@ -1,15 +1,43 @@
-"""The README's first command runs `python -m dsv4_jax.demo`: it must keep working."""
+"""The README's first command runs `python -m dsv4_jax.demo`: it must keep working, and what it
+reports must be the agreement the README promises (same picks in every mode, outputs equal to
+float32 rounding, chunking-invariant)."""
 
 from __future__ import annotations
 
-from dsv4_jax import demo
+import re
+
+from dsv4_jax import CSA, HCA, SLIDING, demo
+
+
+def _sections(out: str) -> dict[str, list[str]]:
+    """The demo's output per layer: {layer type: its lines}."""
+    sections, current = {}, None
+    for line in out.splitlines():
+        header = re.fullmatch(r"== layer \d+: (\w+) ==", line)
+        if header:
+            current = sections.setdefault(header.group(1), [])
+        elif current is not None:
+            current.append(line)
+    return sections
 
 
 def test_demo_runs_and_reports_agreement(capsys):
-    demo.main(["--prompt", "13", "--steps", "2"])
-    out = capsys.readouterr().out
-    assert out.count("== layer") == 3
-    assert out.count("picks identical") == 6 and "DIFFER" not in out
-    for line in out.splitlines():
-        if "vs one-shot prefill" in line:
-            assert float(line.rsplit("rel err ", 1)[1]) < 2e-5
+    # Batch 2: a 21-token prefill, then 2 decode steps: 5 CSA entries for a top-4, so the indexer selects.
+    demo.main(["--prompt", "21", "--steps", "2"])
+    sections = _sections(capsys.readouterr().out)
+    assert list(sections) == [SLIDING, CSA, HCA]
+    for layer_type, lines in sections.items():
+        diffs = dict(re.findall(r"^  (\w+) vs none: max \|out diff\| (\S+?)(?:,|$)", "\n".join(lines), re.M))
+        assert sorted(diffs) == ["narrow", "wide"], lines
+        assert float(diffs["narrow"]) == 0.0  # narrow and none: bit-identical
+        assert float(diffs["wide"]) <= 1e-5
+        picks = [line for line in lines if "picks" in line and " vs none" in line]
+        if layer_type == CSA:  # the only layer with an indexer: every call's picks compared, per mode
+            assert len(picks) == 2, lines
+            assert all(line.endswith("picks identical (3 calls, 2 x 23 queries x top-4)") for line in picks), picks
+            last = next(line for line in lines if "picks of the last query" in line)
+            assert "-1" not in last.rsplit(":", 1)[1], last  # four real picks among five entries
+        else:
+            assert picks == [], picks
+        one_shot = [line for line in lines if "vs one-shot prefill" in line]
+        assert len(one_shot) == 1 and float(one_shot[0].rsplit("rel err ", 1)[1]) < 2e-5

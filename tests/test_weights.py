@@ -2,13 +2,60 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from helpers import golden_layer
 
-from dsv4_jax import DeepseekV4Attention, load_hf_attention_weights
+from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Attention, load_hf_attention_weights
 from dsv4_jax.weights import export_hf_attention_weights
+
+# HF `DeepseekV4Attention.state_dict()` name -> (the layer's parameter, layout), written from the
+# spec (section 11) and the layer's docstring, independently of dsv4_jax.weights. Layouts: "T",
+# a linear weight, HF [out, in] -> [in, out]; "grouped", o_a_proj [G*R, H*D/G], group g's
+# rows g*R:(g+1)*R, -> [G, H*D/G, R]; "=", float32 vectors and position biases as they are.
+_COMMON = {
+    "q_a_proj.weight": ("q_a_proj", "T"), "q_a_norm.weight": ("q_a_norm", "="),
+    "q_b_proj.weight": ("q_b_proj", "T"), "kv_proj.weight": ("kv_proj", "T"), "kv_norm.weight": ("kv_norm", "="),
+    "o_a_proj.weight": ("o_a_proj", "grouped"), "o_b_proj.weight": ("o_b_proj", "T"), "sinks": ("sinks", "="),
+}
+_COMPRESSOR = {
+    "compressor.kv_proj.weight": ("compressor.kv_proj", "T"),
+    "compressor.gate_proj.weight": ("compressor.gate_proj", "T"),
+    "compressor.position_bias": ("compressor.position_bias", "="),
+    "compressor.kv_norm.weight": ("compressor.kv_norm", "="),
+}
+_INDEXER = {
+    "compressor.indexer.kv_proj.weight": ("indexer.compressor.kv_proj", "T"),
+    "compressor.indexer.gate_proj.weight": ("indexer.compressor.gate_proj", "T"),
+    "compressor.indexer.position_bias": ("indexer.compressor.position_bias", "="),
+    "compressor.indexer.kv_norm.weight": ("indexer.compressor.kv_norm", "="),
+    "compressor.indexer.q_b_proj.weight": ("indexer.q_b_proj", "T"),
+    "compressor.indexer.scorer.weights_proj.weight": ("indexer.weights_proj", "T"),
+}
+LAYOUT = {SLIDING: _COMMON, HCA: {**_COMMON, **_COMPRESSOR}, CSA: {**_COMMON, **_COMPRESSOR, **_INDEXER}}
+
+
+def assert_holds_in_jax_layout(attn, hf_weights):
+    """`attn`'s parameters are exactly `hf_weights` (HF names and layout, float32) per LAYOUT."""
+    assert sorted(hf_weights) == sorted(LAYOUT[attn.layer_type])
+    for name, (path, layout) in LAYOUT[attn.layer_type].items():
+        got = np.asarray(functools.reduce(getattr, path.split("."), attn)[...], np.float32)
+        w = np.asarray(hf_weights[name], np.float32)
+        if layout == "T":
+            w = w.T
+        elif layout == "grouped":
+            r = attn.config.o_lora_rank
+            w = np.stack([w[g * r:(g + 1) * r].T for g in range(attn.config.o_groups)])
+        np.testing.assert_array_equal(got, w, err_msg=name)
+
+
+def test_load_puts_each_hf_tensor_in_its_parameter(small):
+    # The recorded files hold HF's own state_dict names: the names LAYOUT knows, per layer type.
+    for layer in range(3):
+        assert_holds_in_jax_layout(golden_layer(small, layer), small.weights(layer))
 
 
 def test_export_returns_what_was_loaded(small):

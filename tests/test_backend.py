@@ -1,0 +1,75 @@
+"""`backend.einsum`: one matmul dtype rule, the same in both namespaces.
+
+The rule (DEVELOPING.md, "Matmul dtype rule"): both operands are rounded to `out_dtype`,
+products are accumulated in float32, and the result is rounded once to `out_dtype`. The
+host breaks run the NumPy branch on exactly the arrays the XLA branch gets in the `none`
+mode, so a layer whose `param_dtype` (float32) is wider than its compute dtype (bf16) gives
+the same stage results in every break mode only if the NumPy branch rounds the float32
+weights to bf16 as XLA does.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv4_jax.backend import einsum
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def both(subscripts, a, b, out_dtype):
+    """(NumPy branch, XLA branch) results as NumPy arrays of their own dtype."""
+    host = einsum(subscripts, np.asarray(a), np.asarray(b), out_dtype=out_dtype)
+    graph = einsum(subscripts, jnp.asarray(a), jnp.asarray(b), out_dtype=out_dtype, precision="highest")
+    assert isinstance(host, np.ndarray)
+    return host, np.asarray(graph)
+
+
+def cancelling_operands(seed=0):
+    """float32 a [4, 16] and b [16, 3] with a @ b == 0 once a is rounded to bf16, but not before.
+
+    a = [base + tiny | -base] and b = [c; c]: the two halves cancel exactly when `tiny` is
+    rounded away. base is small integers (exact in bf16); tiny = 2**-10 is under half a bf16
+    ulp of any |base| >= 1, and survives in float32 as tiny * sum(c) != 0.
+    """
+    rng = np.random.default_rng(seed)
+    base = rng.integers(1, 5, size=(4, 8)) * rng.choice([-1, 1], size=(4, 8))
+    c = rng.integers(1, 5, size=(8, 3))  # positive: sum(c) != 0 in every column
+    a = np.concatenate([base + 2.0**-10, -base], axis=1).astype(np.float32)
+    b = np.concatenate([c, c], axis=0).astype(np.float32)
+    assert np.all(a.astype(BF16).astype(np.float32)[:, :8] == base)  # the premise: bf16 drops tiny
+    return a, b, c
+
+
+def test_float32_operands_are_rounded_to_a_bf16_output_dtype():
+    # A float32 weight in a bf16 layer: both branches compute with the weight rounded to bf16.
+    a, b, _ = cancelling_operands()
+    host, graph = both("ik,kj->ij", a, b, jnp.bfloat16)
+    assert host.dtype == BF16 and graph.dtype == BF16
+    np.testing.assert_array_equal(graph.astype(np.float32), 0.0)
+    np.testing.assert_array_equal(host.astype(np.float32), 0.0)
+
+
+def test_float32_output_keeps_float32_operands():
+    # Same operands, float32 output: nothing is rounded, tiny * sum(c) survives in both.
+    a, b, c = cancelling_operands()
+    host, graph = both("ik,kj->ij", a, b, jnp.float32)
+    want = np.broadcast_to(np.float32(2.0**-10) * c.sum(0).astype(np.float32), (4, 3))
+    np.testing.assert_array_equal(graph, want)
+    np.testing.assert_array_equal(host, want)
+
+
+@pytest.mark.parametrize(("out_dtype", "want"), [
+    (jnp.float32, 1 + 2.0**-6 + 2.0**-14),  # (1 + 2^-7)^2 exactly: bf16 operands widened (HF's .float())
+    (jnp.bfloat16, 1 + 2.0**-6),  # one rounding of the float32 accumulation to bf16
+])
+def test_bf16_operands_accumulate_in_float32_and_round_once(out_dtype, want):
+    a = np.full((1, 4), 1 + 2.0**-7, BF16)  # exact in bf16
+    b = np.array([[1 + 2.0**-7], [0], [0], [0]], BF16)
+    host, graph = both("ik,kj->ij", a, b, out_dtype)
+    for got in (host, graph):
+        assert got.dtype == np.dtype(out_dtype)
+        assert got.astype(np.float64).item() == want
