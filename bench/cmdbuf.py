@@ -37,7 +37,7 @@ def parse(log: str) -> dict:
     module = None
     for line in log.splitlines():
         if MARK in line:
-            m = re.search(MARK + r" (begin|end) layer=(\w+) mode=(\w+)", line)
+            m = re.search(MARK + r" (begin|end) layer=(\w+) mode=([\w-]+)", line)
             if m and m.group(1) == "begin":
                 current = (m.group(2), m.group(3))
                 results[current] = {"command_buffers": 0, "thunks_in_command_buffers": 0,
@@ -179,7 +179,7 @@ def _child(argv=None) -> None:
         pos = np.full((a.batch, 1), a.context, np.int32)
         jax.block_until_ready((x, cache))
         for mode in a.modes.split(","):
-            attn.break_mode = mode
+            plan.apply_mode(attn, mode)
             info = {"host_callbacks": measure.host_breaks(attn, x, pos, cache)}
             before = dumped()
             print(f"{MARK} begin layer={layer} mode={mode}", file=sys.stderr, flush=True)

@@ -177,7 +177,7 @@ class JaxRun:
         cache = self.attn.init_cache(case.batch, case.max_seq_len)
         if case.scenario != "decode_long":
             return cache
-        self.attn.break_mode = "none"
+        plan_mod.apply_mode(self.attn, "none")
         for x, pos in dev_inputs["prefix"]:
             _, cache, _ = self._call(x, pos, cache)
         jax.block_until_ready(cache)
@@ -193,7 +193,7 @@ class JaxRun:
     def run_mode(self, case, mode: str, dev_inputs: dict, snap) -> dict:
         """Warm-up, timed repeats and kept outputs of one mode (see the module docstring)."""
         attn = self.attn
-        attn.break_mode = mode
+        plan_mod.apply_mode(attn, mode)
         n_steps, reps = case.steps_for(mode), case.repeats_for(mode)
         prompt, steps = dev_inputs["prompt"], dev_inputs["steps"]
         clock = compile_clock()
@@ -261,7 +261,7 @@ class JaxRun:
 
     def picks(self, case, mode: str, dev_inputs: dict, snap):
         """Indexer picks [B, S, K] of the case's first call in `mode` (return_intermediates pass)."""
-        self.attn.break_mode = mode
+        plan_mod.apply_mode(self.attn, mode)
         cache = clone(snap)
         x, pos = dev_inputs["prompt"] if case.scenario == "prefill" else dev_inputs["steps"][0]
         _, _, inter = self.attn(x, pos, cache, return_intermediates=True)

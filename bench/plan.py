@@ -23,7 +23,24 @@ import math
 import dsv4_jax
 from dsv4_jax.config import CSA, HCA, SLIDING
 
-MODES = ("none", "narrow", "wide")
+MODES = ("none", "none-xla", "narrow", "narrow-device", "wide")
+# What each benchmarked mode sets on the layer. "none" takes the native graph-compatible
+# selection where it is built (else it equals "none-xla", which always uses `lax.top_k`);
+# "narrow" is the host break (`jax.pure_callback`), "narrow-device" the native eager break.
+MODE_SETTINGS = {
+    "none": dict(break_mode="none", break_on="auto", kernels="auto"),
+    "none-xla": dict(break_mode="none", break_on="auto", kernels="xla"),
+    "narrow": dict(break_mode="narrow", break_on="host", kernels="auto"),
+    "narrow-device": dict(break_mode="narrow", break_on="device", kernels="auto"),
+    "wide": dict(break_mode="wide", break_on="host", kernels="auto"),
+}
+NATIVE_MODES = ("narrow-device",)
+
+
+def apply_mode(attn, mode: str) -> None:
+    """Set a benchmarked mode's break_mode / break_on / kernels on the layer."""
+    for name, value in MODE_SETTINGS[mode].items():
+        setattr(attn, name, value)
 PEER = "hf-torch"
 LAYER_NAMES = {"csa": CSA, "hca": HCA}
 SHORT = {CSA: "CSA", HCA: "HCA", SLIDING: "SWA"}
@@ -101,8 +118,8 @@ def host_seconds(cfg, case: Case, mode: str, host_gflops: float, host_gbps: floa
     wide: that plus the host-side wq_b (and indexer q) projection and the round trip of the
     weights and the cache. Only used to cap what is run; recorded in the skip reason.
     """
-    if mode == "none":
-        return 0.0
+    if mode not in ("narrow", "wide"):
+        return 0.0  # in-graph or on the device
     s = case.prompt_len if case.scenario == "prefill" else 1
     b = case.batch
     slots = case.max_seq_len // cfg.csa_compress_rate
@@ -203,6 +220,9 @@ def build_plan(size: str, quick: bool, platform: str, *, layers=("csa", "hca"), 
             continue
         case.modes = tuple(m for m in MODES if m in modes)
         case.peer = bool(peer)
+        for mode in NATIVE_MODES:
+            if mode in case.modes and not dsv4_jax.native.available(platform):
+                case.skip[mode] = f"native handlers not usable: {dsv4_jax.native.unavailable_reason(platform)}"
         # Caps: host breaks that would take too long per call; HF calls that would not fit.
         for mode in ("narrow", "wide"):
             est = host_seconds(cfg, case, mode, host_gflops, host_gbps)

@@ -56,11 +56,13 @@ def _cell(r, metric, p90=None):
 
 def _diffs(g):
     parts = []
-    for m in ("narrow", "wide", PEER):
+    short = {"none-xla": "x", "narrow": "n", "narrow-device": "nd", "wide": "w", PEER: "hf"}
+    for m in ("none-xla", "narrow", "narrow-device", "wide", PEER):
         r = g.get(m)
         if r is not None and r.get("max_abs_diff_vs_none") is not None:
-            parts.append(f"{m[0] if m != PEER else 'hf'} {r['max_abs_diff_vs_none']:.1e}")
-    picks = [f"{m[0]} {g[m]['picks_set_overlap_vs_none']:.3f}" for m in ("narrow", "wide")
+            parts.append(f"{short[m]} {r['max_abs_diff_vs_none']:.1e}")
+    picks = [f"{short[m]} {g[m]['picks_set_overlap_vs_none']:.3f}"
+             for m in ("none-xla", "narrow", "narrow-device", "wide")
              if g.get(m) is not None and g[m].get("picks_set_overlap_vs_none") is not None]
     s = ", ".join(parts) if parts else "-"
     if picks:
@@ -76,13 +78,13 @@ def table(records, scenario: str, metric: str, p90: str | None = None) -> str:
     has_floor = any(r.get("floor_ms") for g in groups.values() for r in g.values())
     head = ["layer", "B", "ctx" if scenario == "decode_long" else "prompt", "entries/top-k"]
     head += [f"{m} ms" for m in IMPLS]
-    head += ["wide/narrow", "narrow/none", "none/HF", "narrow/HF"]
+    head += ["wide/narrow", "narrow/none", "narrow-device/none", "none/none-xla", "none/HF", "narrow/HF"]
     if has_floor:
         head += ["floor ms", "none/floor", "narrow/floor"]
     raw = any(r.get("raw_step_ms_median") for g in groups.values() for r in g.values()) and metric.startswith("decode")
     if raw:
-        head += ["none raw step ms", "narrow raw step ms"]
-    head += ["max abs diff vs none (n, w, hf); picks overlap"]
+        head += ["none raw step ms", "narrow raw step ms", "narrow-device raw step ms"]
+    head += ["max abs diff vs none (x, n, nd, w, hf); picks overlap"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (lt, b, plen), g in groups.items():
         any_r = next(iter(g.values()))
@@ -91,12 +93,13 @@ def table(records, scenario: str, metric: str, p90: str | None = None) -> str:
         row = [lt, str(b), str(plen), f"{any_r.get('entries', '-')}/{any_r.get('top_k') or 'all'}"]
         row += [_cell(g.get(m), metric, p90) for m in IMPLS]
         row += [_fmt(_ratio(val["wide"], val["narrow"])), _fmt(_ratio(val["narrow"], val["none"])),
+                _fmt(_ratio(val.get("narrow-device"), val["none"])), _fmt(_ratio(val["none"], val.get("none-xla"))),
                 _fmt(_ratio(val["none"], val[PEER])), _fmt(_ratio(val["narrow"], val[PEER]))]
         if has_floor:
             fl = any_r.get("ttft_floor_ms" if metric == "ttft_ms" and scenario == "decode_pr" else "floor_ms")
             row += [_fmt(fl), _fmt(_ratio(val["none"], fl)), _fmt(_ratio(val["narrow"], fl))]
         if raw:
-            row += [_cell(g.get("none"), "raw_step_ms_median"), _cell(g.get("narrow"), "raw_step_ms_median")]
+            row += [_cell(g.get(m), "raw_step_ms_median") for m in ("none", "narrow", "narrow-device")]
         row.append(_diffs(g))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -189,7 +192,8 @@ def plot(records, path: Path, title: str = "") -> Path | None:
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
-    colors = {"none": "#1f77b4", "narrow": "#2ca02c", "wide": "#d62728", PEER: "#7f7f7f"}
+    colors = {"none": "#1f77b4", "none-xla": "#17becf", "narrow": "#2ca02c", "narrow-device": "#9467bd",
+              "wide": "#d62728", PEER: "#7f7f7f"}
     for ax, (scenario, metric, label) in zip(axes[:, 0], panels, strict=True):
         groups = _groups(records, scenario)
         labels = [f"{lt} B{b} L{p}" for (lt, b, p) in groups]

@@ -37,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import dsv4_jax.breaks  # noqa: E402
 import dsv4_jax.validation  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
@@ -185,8 +186,19 @@ def _entries(cfg, case) -> tuple[int, int | None]:
 
 def base_record(args, env, cfg, case, mode, dtype_name) -> dict:
     entries, top_k = _entries(cfg, case)
+    layer_type = plan_mod.LAYER_NAMES[case.layer]
+    settings = plan_mod.MODE_SETTINGS.get(mode)
+    plan = None
+    if settings is not None:
+        try:  # what actually ran: the resolved break plan of this layer type on this platform
+            plan = dsv4_jax.breaks.plan_break(layer_type, settings["break_mode"], settings["break_on"],
+                                              settings["kernels"], env["platform"])
+        except ValueError:
+            plan = None
     return {
-        "scenario": case.scenario, "size": args.size, "layer_type": SHORT[plan_mod.LAYER_NAMES[case.layer]],
+        "scenario": case.scenario, "size": args.size, "layer_type": SHORT[layer_type],
+        "break_mode": plan.mode if plan else None, "break_on": plan.place if plan else None,
+        "native_select": plan.native_select if plan else None,
         "layer_idx": plan_mod.layer_index(cfg, case.layer), "mode": mode, "batch": case.batch,
         "prompt_len": case.prompt_len, "context_len": case.prompt_len if case.scenario == "decode_long" else None,
         "steps": case.steps_for(mode) if mode != PEER else case.steps,

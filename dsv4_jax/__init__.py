@@ -1,14 +1,33 @@
 """dsv4_jax: DeepSeek-V4 attention in JAX/Flax NNX, with the lightning indexer as a host break."""
 
+from . import export  # noqa: F401  (registers the pytrees for jax.export serialization)
 from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, attention_step
-from .breaks import BREAK_MODES
+from .breaks import BREAK_MODES, BREAK_PLACES, KERNELS, BreakPlan
 from .cache import AttentionCache, CompressorCache
 from .checkpoint import load_attention_checkpoint
 from .config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
+from .indexer_loss import indexer_kl_loss
+from .native import native_info
 from .weights import load_hf_attention_weights
 
 __all__ = [
-    "BREAK_MODES", "CSA", "HCA", "SLIDING", "AttentionCache", "AttentionWeights", "CompressorCache",
-    "DeepseekV4Attention", "DeepseekV4Config", "Intermediates", "YarnScaling", "attention_step",
-    "load_attention_checkpoint", "load_hf_attention_weights",
+    "BREAK_MODES",
+    "BREAK_PLACES",
+    "CSA",
+    "HCA",
+    "KERNELS",
+    "SLIDING",
+    "AttentionCache",
+    "AttentionWeights",
+    "BreakPlan",
+    "CompressorCache",
+    "DeepseekV4Attention",
+    "DeepseekV4Config",
+    "Intermediates",
+    "YarnScaling",
+    "attention_step",
+    "indexer_kl_loss",
+    "load_attention_checkpoint",
+    "load_hf_attention_weights",
+    "native_info",
 ]

@@ -10,8 +10,9 @@ One call runs the stages of vLLM's `attention_impl`, in order (names as in vLLM)
 5. sparse attention: window keys + picked (CSA) / visible (HCA) entries + sink
 6. output: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``
 
-Stages 2-4 are `run_stages`, written once for XLA and NumPy; `break_mode` decides which of
-them run in a host break (see `breaks`). Stages 1, 5 and 6 are always in-graph.
+Stages 2-4 are `run_stages`, written once for XLA and NumPy; the step's `BreakPlan` (from
+`break_mode`, `break_on` and `kernels`, see `breaks`) decides which of them run in a break and
+where. Stages 1, 5 and 6 are always in-graph.
 
 Shapes: B batch, S new tokens, H heads, D head_dim, W window, T entry slots, K index_topk.
 """
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from . import breaks, validation
+from . import breaks, indexer, validation
 from .backend import Array, einsum
 from .cache import AttentionCache, CompressorCache, init_attention_cache
 from .compressor import CompressorWeights, compress, project, visible_entries
@@ -120,11 +121,15 @@ class StepSpec:
 
     cfg: DeepseekV4Config
     layer_type: str
-    break_mode: str
+    plan: breaks.BreakPlan
     dtype: Any  # compute dtype (jnp.dtype)
     precision: Any = None
     query_block: int = 256
     return_intermediates: bool = False
+
+    @property
+    def break_mode(self) -> str:
+        return self.plan.mode
 
     @property
     def ratio(self) -> int:
@@ -156,11 +161,12 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
                spec: StepSpec, select=None) -> StageOutputs:
     """Stages 2-4 (`wq_b_kv_insert`, `compressor`, `indexer`); XLA or NumPy (see `breaks`).
 
-    `select` is the indexer's selection (in-graph, or the narrow host break); the wide
-    break runs this whole function on the host with the NumPy selection.
+    `select` is the indexer's selection (default: the plan's; in-graph, the narrow host
+    break or the native handler); the wide break runs this whole function on the host with
+    the NumPy selection.
     """
     cfg = spec.cfg
-    select = select or breaks.indexer_select("none")
+    select = select or spec.plan.indexer_select()
     length = cache.length
     compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps)
@@ -183,7 +189,12 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
                               position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
                               overlap=True, **common)
-    queries = index_queries(inputs.q_residual, iw.q_b_proj, positions, compress_freqs,
+    # The indexer's input is detached, as in DeepSeek-V3.2: its own loss (`indexer_kl_loss`)
+    # trains the indexer only (its picks pass no gradient back to q_residual anyway).
+    q_in = inputs.q_residual
+    if not isinstance(q_in, np.ndarray):  # the wide break's host twin runs on NumPy arrays
+        q_in = jax.lax.stop_gradient(q_in)
+    queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
                             n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
                             precision=spec.precision)
     visible = visible_entries(positions, spec.ratio)
@@ -240,11 +251,11 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
                                                              cfg.index_n_heads, dtype, prec))
 
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
-    if spec.break_mode == "wide":
-        stage_fn = functools.partial(run_stages, spec=spec, select=breaks.indexer_select("none"))
-        stages = breaks.host_call(stage_fn, inputs, cache, positions, stage_weights(weights))
+    if spec.plan.mode == "wide":
+        stage_fn = functools.partial(run_stages, spec=spec, select=indexer.select_topk)
+        stages = breaks.wide_host_call(stage_fn, inputs, cache, positions, stage_weights(weights))
     else:
-        stages = run_stages(inputs, cache, positions, weights, spec, breaks.indexer_select(spec.break_mode))
+        stages = run_stages(inputs, cache, positions, weights, spec)
 
     # 5. Sparse attention over [window | picked or visible entries] with the sink.
     pool = jnp.concatenate([cache.window, stages.kv], axis=1)  # [B, W+S, D]
@@ -299,9 +310,12 @@ def _array(param: nnx.Variable) -> Array:
 
 
 def _projection(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
-    """A projection kernel [..., in, out] with variance 1/in (activations stay O(1))."""
+    """A projection kernel [..., in, out] with variance 1/in (activations stay O(1)).
+
+    Drawn in float32, then cast: one seed gives the same weights (up to the cast) for every
+    `param_dtype` (`random.normal` drawing in bf16 directly consumes the bits differently)."""
     init = nnx.initializers.normal(stddev=shape[-2] ** -0.5)
-    return nnx.Param(init(rngs.params(), shape, dtype))
+    return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(dtype))
 
 
 class Compressor(nnx.Module):
@@ -341,10 +355,18 @@ class DeepseekV4Attention(nnx.Module):
     >>> out, cache = attn(hidden_states, positions, cache)   # [B,S,hidden], int32 [B,S]
 
     Arguments:
-      break_mode:   "narrow" (default; indexer scoring + top-k in a host break), "none"
-                    (all in-graph) or "wide" (wq_b_kv_insert + compressors + indexer on
-                    the host). Same picks and outputs in every mode. An attribute: it
-                    may be changed between calls (each mode compiles once).
+      break_mode:   "narrow" (default; the indexer's scoring + top-k in a break), "none"
+                    (no break) or "wide" (wq_b_kv_insert + compressors + indexer on the
+                    host). Same picks and outputs in every mode. An attribute: it may be
+                    changed between calls (each mode compiles once).
+      break_on:     where the narrow break runs: "device" (a native XLA FFI custom call on
+                    the step's device, an eager break that never leaves it), "host" (a
+                    `jax.pure_callback` into NumPy) or "auto" (default: "device" where the
+                    native handlers are built for the platform, see `dsv4_jax.native_info()`,
+                    else "host"). The wide break is always on the host. An attribute.
+      kernels:      "auto" (default: native handlers where built; with break_mode="none" the
+                    selection then runs the graph-compatible native handler, no break),
+                    "native" (require them) or "xla" (XLA reference ops only, e.g. `lax.top_k`).
       dtype:        compute dtype; None = promote(hidden_states.dtype, param_dtype).
       param_dtype:  dtype of the projection weights. Norm weights, sinks and position biases
                     stay float32, as the reference keeps them.
@@ -368,14 +390,17 @@ class DeepseekV4Attention(nnx.Module):
     """
 
     def __init__(self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs,
-                 break_mode: str = "narrow", dtype=None, param_dtype=jnp.float32, precision=None,
-                 query_block: int = 256, donate_cache: bool = False, check_finite=None):
+                 break_mode: str = "narrow", break_on: str = "auto", kernels: str = "auto", dtype=None,
+                 param_dtype=jnp.float32, precision=None, query_block: int = 256, donate_cache: bool = False,
+                 check_finite=None):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
         self.config = config
         self.layer_idx = layer_idx
         self.layer_type = config.layer_type(layer_idx)
         self.break_mode = breaks.check_break_mode(break_mode)
+        self.break_on = breaks.check_break_on(break_on)
+        self.kernels = breaks.check_kernels(kernels)
         self.dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         self.param_dtype = validation.check_float_dtype("param_dtype", param_dtype)
         self.precision = precision
@@ -405,10 +430,6 @@ class DeepseekV4Attention(nnx.Module):
         self.indexer = Indexer(c, rngs=rngs, param_dtype=pd) if self.layer_type == CSA else None
 
     # ------------------------------------------------------------------ public API
-    @property
-    def compute_dtype(self):
-        return jnp.dtype(self.dtype) if self.dtype is not None else None
-
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None) -> AttentionCache:
         """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
@@ -430,15 +451,12 @@ class DeepseekV4Attention(nnx.Module):
 
     def step_spec(self, hidden_dtype, return_intermediates: bool = False) -> StepSpec:
         """The static description of the compiled step this layer runs for such inputs."""
-        breaks.check_break_mode(self.break_mode)
+        plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels)
         dtype = jnp.dtype(self.dtype) if self.dtype is not None else jnp.promote_types(hidden_dtype, self.param_dtype)
         precision = self.precision
         if precision is None and jnp.dtype(dtype) == jnp.float32:
             precision = jax.lax.Precision.HIGHEST
-        # The narrow break is the indexer's: a layer without one (sliding, HCA) has no break in
-        # narrow mode, so it runs, and shares, the compiled step of "none".
-        break_mode = "none" if self.break_mode == "narrow" and self.layer_type != CSA else self.break_mode
-        return StepSpec(cfg=self.config, layer_type=self.layer_type, break_mode=break_mode,
+        return StepSpec(cfg=self.config, layer_type=self.layer_type, plan=plan,
                         dtype=jnp.dtype(dtype), precision=precision, query_block=self.query_block,
                         return_intermediates=bool(return_intermediates))
 
@@ -450,13 +468,18 @@ class DeepseekV4Attention(nnx.Module):
         With ``return_intermediates=True`` returns ``(out, cache, Intermediates)``; off by
         default, and then nothing extra is computed (it is a separate compiled step).
 
-        Runs compiled code: the first call of each (shape, break_mode) compiles, later calls
-        (e.g. every decode step) reuse it. Inside a user's `jax.jit`/`nnx.jit` it is traced.
+        Runs compiled code: the first call of each (layer type, shapes, options) compiles, later
+        calls (e.g. every decode step, and every layer of the same type) reuse it. Inside a
+        user's `jax.jit`/`nnx.jit` it is traced.
         """
         spec, host_length = validation.check_call(self, hidden_states, positions, cache, return_intermediates)
         step = _step_donating if self.donate_cache else _step
+        # The layer index is checked above and is no part of the computation: leave it out of
+        # the compiled step's identity, so that layers of one type share one program.
+        anonymous = cache.replace(layer_idx=-1)
         with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
-            out, new_cache, intermediates = step(self.weights(), cache, hidden_states, positions, spec=spec)
+            out, new_cache, intermediates = step(self.weights(), anonymous, hidden_states, positions, spec=spec)
+        new_cache = new_cache.replace(layer_idx=cache.layer_idx)
         if host_length is not None:
             # Host-side bookkeeping: the next call's checks need no device round trip.
             new_cache = new_cache.replace(length=host_length + np.int32(hidden_states.shape[1]))

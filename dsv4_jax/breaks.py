@@ -1,27 +1,39 @@
-"""The break boundary: which stages leave the XLA program for the host, per `break_mode`.
+"""The break boundary: which stages leave the XLA program, where they run, per `BreakPlan`.
 
 This mirrors vLLM's "breakable CUDA graph" (PR #45309): code that cannot be captured runs
-eagerly between graph segments. In XLA the analogue is a host callback inside the jitted
-step: on a GPU it splits the command buffers (CUDA graphs) around it, exactly where vLLM
-splits its graph. The mode is a static attribute, so the choice is made at trace time and
-the compiled program contains no runtime branch.
+eagerly between graph segments. In XLA the analogue is an op inside the jitted step that
+cannot join a command buffer: on a GPU XLA closes its CUDA graph before it and opens a new
+one after it, exactly where vLLM splits its graph. Two such ops serve as the break:
 
-=========  =======================================================================
-mode       what runs on the host (NumPy, through one ``jax.pure_callback``)
-=========  =======================================================================
-``none``   nothing: the indexer's top-k is `lax.top_k`, in-graph
-``narrow`` the lightning indexer's scoring + top-k (vLLM after #45309)
-``wide``   ``wq_b_kv_insert`` + the compressors + the indexer (vLLM before #45309)
-=========  =======================================================================
+* a host callback (``break_on="host"``): `jax.pure_callback` into NumPy, running the same
+  functions as the graph (see `backend`); the inputs cross to the host and back;
+* a native XLA FFI custom call (``break_on="device"``, see `native`): the indexer's handler
+  on the step's own device, declared *not* command-buffer compatible (the eager break);
+  nothing leaves the device.
 
-In every mode the host runs *the same functions* as the graph (see `backend`): only the
-array namespace changes. The input GEMMs before the stages and the sparse attention and
-output projection after them always stay in-graph.
+=========  ======================================  ==========================================
+mode       ``break_on="host"``                     ``break_on="device"``
+=========  ======================================  ==========================================
+``none``   no break: the selection is in-graph (the native graph-compatible handler where
+           built and ``kernels`` allows it, else `lax.top_k`)
+``narrow`` indexer scoring + top-k in NumPy        indexer scoring + top-k, native eager break
+``wide``   ``wq_b_kv_insert`` + compressors +      (refused: the wide break stays on the host)
+           indexer in NumPy (vLLM before #45309)
+=========  ======================================  ==========================================
 
-What crosses the boundary: in ``narrow``, the indexer queries, head weights, indexer key
+All of it is decided once, at trace time, by `plan_break` into a `BreakPlan` (a static part
+of the compiled step's identity): the compiled program never branches on it. The input
+GEMMs before the stages and the sparse attention and output projection after them always
+stay in-graph.
+
+What crosses a host boundary: in ``narrow``, the indexer queries, head weights, indexer key
 cache and visible-entry counts go down and int32 picks [B, S, index_topk] (-1 padded) come
 back; the cache writes stay in-graph. In ``wide`` the callback takes the state it updates
 (window ring, compressor and indexer caches) and returns the new state with the picks.
+Gradients: the picks are integers; the break's inputs are cut from differentiation
+(`lax.stop_gradient`), so a loss differentiates alike in ``none`` and ``narrow``. The wide
+break computes differentiable stages on the host, so differentiating it raises a `ValueError`
+that names ``break_mode`` and the modes that differentiate.
 
 Errors on the host: an exception raised by the NumPy side is re-raised there as
 `HostBreakError` naming the stage and the break mode, and JAX hands it to the caller as a
@@ -36,6 +48,7 @@ nothing hangs, and the cache passed in is untouched (unless the layer donates it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import threading
@@ -46,15 +59,90 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import indexer
+from . import indexer, native
+from .backend import map_query_blocks
+from .config import CSA
 
 BREAK_MODES = ("none", "narrow", "wide")
+BREAK_PLACES = ("auto", "host", "device")
+KERNELS = ("auto", "native", "xla")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value
 
 
 def check_break_mode(break_mode: Any) -> str:
-    if break_mode not in BREAK_MODES:
-        raise ValueError(f"break_mode: expected one of {BREAK_MODES}, got {break_mode!r}")
-    return break_mode
+    return _check_choice("break_mode", break_mode, BREAK_MODES)
+
+
+def check_break_on(break_on: Any) -> str:
+    return _check_choice("break_on", break_on, BREAK_PLACES)
+
+
+def check_kernels(kernels: Any) -> str:
+    return _check_choice("kernels", kernels, KERNELS)
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakPlan:
+    """What runs where in one compiled step (hashable: part of the step's static identity).
+
+    mode:          the effective break mode; "narrow" on a layer without an indexer (sliding,
+                   HCA) has nothing to break and is "none", so both share one compiled step
+    place:         "host" or "device" where there is a break, else None
+    native_select: the indexer's selection is the native handler: the eager break
+                   (narrow/device) or the graph-compatible target (none)
+    """
+
+    mode: str
+    place: str | None = None
+    native_select: bool = False
+
+    def indexer_select(self) -> Callable[..., Any]:
+        """The `select_topk` that `attention.run_stages` calls for this plan."""
+        if self.native_select:
+            return functools.partial(_select_native, graph=self.mode == "none")
+        if self.mode == "narrow":
+            return _select_on_host
+        return indexer.select_topk
+
+
+def plan_break(layer_type: str, break_mode: str, break_on: str = "auto", kernels: str = "auto",
+               platform: str | None = None) -> BreakPlan:
+    """Resolve a layer's `break_mode`, `break_on` and `kernels` for `platform` (default: jax's
+    default backend) into its `BreakPlan`; the one place these choices are made."""
+    check_break_mode(break_mode)
+    check_break_on(break_on)
+    check_kernels(kernels)
+    platform = native.platform_name(platform or jax.default_backend())
+    if break_mode == "wide":
+        if break_on == "device":
+            raise ValueError(
+                "break_on: 'device' is not available with break_mode='wide' (the wide break runs "
+                "wq_b_kv_insert, the compressors and the indexer in NumPy on the host); use "
+                "break_on='host' or 'auto', or break_mode='narrow' for a device break"
+            )
+        return BreakPlan(mode="wide", place="host")
+    if layer_type != CSA:  # no indexer: nothing to break, nothing to select
+        return BreakPlan(mode="none")
+    if kernels == "native" or (break_mode == "narrow" and break_on == "device"):
+        _require_native(platform, kernels, "break_on='device'" if kernels != "native" else "kernels='native'")
+    use_native = kernels != "xla" and native.available(platform)
+    if break_mode == "none":
+        return BreakPlan(mode="none", native_select=use_native)
+    place = "host" if break_on == "host" or (break_on == "auto" and not use_native) else "device"
+    return BreakPlan(mode="narrow", place=place, native_select=place == "device")
+
+
+def _require_native(platform: str, kernels: str, what: str) -> None:
+    if kernels == "xla":
+        raise ValueError(f"{what}: needs the native indexer handlers, but kernels='xla' rules them out")
+    reason = native.unavailable_reason(platform)
+    if reason is not None:
+        raise ValueError(f"{what}: the native indexer handlers are not usable on {platform}: {reason}")
 
 
 class HostBreakError(RuntimeError):
@@ -142,13 +230,55 @@ def host_call(fn: Callable[..., Any], *args):
     return jax.pure_callback(_on_host(fn, _stage_name(fn)), result_shapes, *args, vmap_method="sequential")
 
 
-def indexer_select(break_mode: str) -> Callable[..., Any]:
-    """The indexer's `select_topk`, in-graph (``none``, and inside the wide break) or as the
-    narrow host break."""
-    if break_mode == "narrow":
-        def select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False, block=indexer.SCORE_BLOCK):
-            fn = functools.partial(indexer.select_topk, top_k=top_k, with_scores=with_scores, block=block)
-            return host_call(fn, queries, weights, keys, visible)
+def wide_host_call(fn: Callable[..., Any], *args):
+    """`host_call` for the wide break, whose host stages carry gradients that a callback
+    cannot give: differentiating it raises a clear error instead of JAX's generic one."""
 
-        return select_on_host
-    return indexer.select_topk
+    @jax.custom_jvp
+    def call(*xs):
+        return host_call(fn, *xs)
+
+    @call.defjvp
+    def refuse(primals, tangents):
+        raise ValueError(
+            "break_mode: 'wide' cannot be differentiated (wq_b_kv_insert, the compressors and the "
+            "indexer run in NumPy on the host, which gives no gradients); use break_mode='none' or "
+            "'narrow' (both give the same gradients)"
+        )
+
+    return call(*args)
+
+
+def _select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False, block=indexer.SCORE_BLOCK):
+    """The narrow host break: `indexer.select_topk` in NumPy, inputs cut from differentiation."""
+    fn = functools.partial(indexer.select_topk, top_k=top_k, with_scores=with_scores, block=block)
+    return host_call(fn, *jax.lax.stop_gradient((queries, weights, keys)), visible)
+
+
+def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=indexer.SCORE_BLOCK,
+                   graph: bool):
+    """The native selection, blocked over queries like `indexer.select_topk` (bounds the
+    [B, block, T] scores of long prefills); the eager break unless `graph`."""
+
+    def select_block(q, w, vis, k):
+        picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph)
+        if with_scores and graph:  # break_mode="none": differentiable like the XLA scores (indexer_kl_loss)
+            scores = _scores_with_gradient(scores, q, w, k, vis)
+        return (picks, scores) if with_scores else picks
+
+    return map_query_blocks(select_block, (queries, weights, visible), (keys,), block)
+
+
+@jax.custom_jvp
+def _scores_with_gradient(scores, queries, weights, keys, visible):
+    """The native handler's scores, differentiated as `indexer.index_scores` (same formula, XLA)."""
+    return scores
+
+
+@_scores_with_gradient.defjvp
+def _scores_with_gradient_jvp(primals, tangents):
+    scores, queries, weights, keys, visible = primals
+    _, dq, dw, dk, _ = tangents
+    _, ds = jax.jvp(lambda q, w, k: indexer.index_scores(q, w, k, visible, block=q.shape[-3]),
+                    (queries, weights, keys), (dq, dw, dk))
+    return scores, ds

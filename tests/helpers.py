@@ -6,11 +6,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import dsv4_jax
+from dsv4_jax import native
 
 DATA = Path(__file__).parent / "data"
 GOLDEN_FILES = ("tiny_seed1.npz", "small_seed0.npz")
@@ -56,6 +59,31 @@ def load_golden(name: str) -> Golden:
         data = {k: f[k] for k in f.files}
     meta = json.loads(bytes(data.pop("meta")).decode())
     return Golden(name=name, cfg=dsv4_jax.DeepseekV4Config.from_hf(meta["hf_config"]), meta=meta, data=data)
+
+
+# Every way the layer can execute: name -> layer arguments. "none" is the XLA reference
+# (`lax.top_k`); the native ones run the C++/CUDA handlers (dsv4_jax.native) and are skipped
+# where those are not built.
+EXECUTIONS = {
+    "none": dict(break_mode="none", kernels="xla"),
+    "none-native": dict(break_mode="none", kernels="native"),
+    "narrow-host": dict(break_mode="narrow", break_on="host"),
+    "narrow-device": dict(break_mode="narrow", break_on="device"),
+    "wide": dict(break_mode="wide"),
+}
+NATIVE_BUILT = dsv4_jax.native_info()[native.platform_name(jax.default_backend())]["usable"]
+
+
+def runnable(name: str) -> bool:
+    """Whether an execution mode can run here (the native ones need the built handlers)."""
+    return NATIVE_BUILT or not ("native" in name or "device" in name)
+
+
+def execution(name: str) -> dict:
+    """The layer arguments of an execution mode; skips the test where it cannot run here."""
+    if not runnable(name):
+        pytest.skip(f"{name}: {native.unavailable_reason(jax.default_backend())}")
+    return dict(EXECUTIONS[name])
 
 
 def golden_layer(g: Golden, layer: int, break_mode: str = "narrow", **kwargs) -> dsv4_jax.DeepseekV4Attention:

@@ -43,26 +43,37 @@ def test_bench_records_have_required_fields(bench_run):
     data = json.loads(out.read_text())
     records = data["records"]
     modes = {r["mode"] for r in records}
-    assert {"none", "narrow", "wide"} <= modes
+    assert {"none", "none-xla", "narrow", "narrow-device", "wide"} <= modes
     assert ("hf-torch" in modes) == has_peer
     for r in records:
         missing = [f for f in bench.REQUIRED_FIELDS if f not in r]
         assert not missing, (r["mode"], missing)
         assert r["scenario"] == "prefill" and r["layer_type"] == "CSA" and r["size"] == "tiny"
         assert r["prefill_ms"] is not None and r["prefill_ms"] > 0, r
-        assert r["error"] is None and r["skipped"] is None, r
+        assert r["error"] is None, r
+        assert r["skipped"] is None or r["mode"] == "narrow-device", r  # needs the native handlers
     assert data["meta"]["jax_version"]
 
 
 def test_bench_modes_agree(bench_run):
+    """Every mode against "none" (the reference of the run), "none" against the HF peer, and
+    each record says where its break ran."""
     _, out, _, _ = bench_run
     records = {r["mode"]: r for r in json.loads(out.read_text())["records"]}
-    assert records["none"]["max_abs_diff_vs_none"] == 0.0
-    for mode in ("narrow", "wide"):
+    native_built = not records["narrow-device"].get("skipped")
+    compared = [m for m in ("none-xla", "narrow", "narrow-device", "wide") if not records[m].get("skipped")]
+    assert len(compared) == (4 if native_built else 3)
+    for mode in compared:
         assert records[mode]["max_abs_diff_vs_none"] <= 1e-5, records[mode]
         assert records[mode]["picks_set_overlap_vs_none"] == 1.0
-        assert records[mode]["host_breaks"] == 1  # one host callback per call in the CSA step
-    assert records["none"]["host_breaks"] == 0
+    place = {"none": None, "none-xla": None, "narrow": "host", "narrow-device": "device", "wide": "host"}
+    for mode in compared + ["none"]:
+        assert records[mode]["break_on"] == place[mode], records[mode]
+    assert records["none"]["native_select"] == native_built and records["none-xla"]["native_select"] is False
+    # One host callback per call in the CSA step of the host breaks; none in the device break.
+    assert [records[m]["host_breaks"] for m in ("none", "none-xla", "narrow", "wide")] == [0, 0, 1, 1]
+    if native_built:
+        assert records["narrow-device"]["host_breaks"] == 0
     if "hf-torch" in records:  # same weights and inputs, float32: the peer computes the same function
         assert records["hf-torch"]["max_abs_diff_vs_none"] <= 1e-4
 

@@ -107,11 +107,13 @@ def test_off_is_a_separate_smaller_step(tiny_layers, layer_type, break_mode):
     cache = attn.init_cache(BATCH, MAX_LEN)
     x = jnp.asarray(_inputs()[:, :SCHEDULE[0]])
     pos = jnp.asarray(np.broadcast_to(np.arange(SCHEDULE[0], dtype=np.int32), x.shape[:2]))
-    attn.break_mode = break_mode
+    # The host break: its callback's outputs are what this test reads (the device break's
+    # custom call returns the scores in both steps, and the default step discards them).
+    attn.break_mode, attn.break_on = break_mode, "host"
     try:
         spec_off, spec_on = attn.step_spec(x.dtype, False), attn.step_spec(x.dtype, True)
     finally:
-        attn.break_mode = "narrow"
+        attn.break_mode, attn.break_on = "narrow", "auto"
     assert spec_off != spec_on and not spec_off.return_intermediates  # two compiled steps
     w = attn.weights()
     step = {s: functools.partial(dsv4_jax.attention_step, spec=s) for s in (spec_off, spec_on)}
@@ -386,23 +388,32 @@ def test_last_query_key_set_early_query(tiny_layers):
 
 
 # ---------------------------------------------------------------------------- diagnostics: schedules
-def test_run_schedule_chunked_equals_one_call(tiny_layers, tiny_calls):
-    """`run_schedule` + `concat_intermediates` over the same calls as the fixture, compared with
-    the fixture's calls, and a chunked run compared with the prefill for pick stability."""
+def test_run_schedule_chunked_equals_one_call(tiny_layers):
+    """`run_schedule` over chunks (its intermediates joined by `concat_intermediates`) gives
+    what a single call over all the tokens gives: outputs and scores to float32 rounding,
+    the same picks and entries. Token by token: the same pick sets as the prefill."""
     attn = tiny_layers[CSA]
-    x = _inputs()
-    out, cache, inter = dg.run_schedule(attn, x, list(SCHEDULE), max_seq_len=MAX_LEN)
-    calls = tiny_calls[CSA]
-    np.testing.assert_allclose(out, np.concatenate([c.out for c in calls], axis=1), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(inter.topk, np.concatenate([np.asarray(c.inter.topk) for c in calls], axis=1))
-    np.testing.assert_array_equal(inter.compressed_kv, np.asarray(calls[-1].inter.compressed_kv))
-    np.testing.assert_array_equal(inter.num_entries, np.asarray(calls[-1].inter.num_entries))
-    assert int(np.asarray(cache.length)[0]) == sum(SCHEDULE)
+    schedule = [*SCHEDULE, 1, 1]  # the last call (position 43) completes entry 10: the entries grow mid-schedule
+    total = sum(schedule)
+    x = _inputs(total=total)
+    pos = np.broadcast_to(np.arange(total, dtype=np.int32), (BATCH, total))
+    one_out, _, one = attn(jnp.asarray(x), pos, attn.init_cache(BATCH, MAX_LEN), return_intermediates=True)
+    out, cache, inter = dg.run_schedule(attn, x, schedule, max_seq_len=MAX_LEN)
+    np.testing.assert_allclose(out, np.asarray(one_out), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(inter.topk, np.asarray(one.topk))
+    np.testing.assert_allclose(inter.index_scores, np.asarray(one.index_scores), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(inter.queries, np.asarray(one.queries), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(inter.compressed_mass, np.asarray(one.compressed_mass), atol=1e-6)
+    np.testing.assert_allclose(inter.compressed_kv, np.asarray(one.compressed_kv), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(inter.visible_entries, np.asarray(one.visible_entries))
+    np.testing.assert_array_equal(inter.num_entries, np.asarray(one.num_entries))
+    assert np.asarray(cache.length).tolist() == [total] * BATCH
 
-    # Token by token for the first 40 (decode-shaped calls only): same picks as the prefill.
-    _, _, one_by_one = dg.run_schedule(attn, x[:, :SCHEDULE[0]], [1] * SCHEDULE[0], max_seq_len=MAX_LEN)
-    assert dg.pick_sets_equal(one_by_one.topk, calls[0].inter.topk).all()
-    np.testing.assert_allclose(one_by_one.compressed_mass, calls[0].inter.compressed_mass, atol=1e-5)
+    # Token by token for the first 40 (decode-shaped calls only): the same pick sets as one call.
+    first = SCHEDULE[0]
+    _, _, one_by_one = dg.run_schedule(attn, x[:, :first], [1] * first, max_seq_len=MAX_LEN)
+    assert dg.pick_sets_equal(one_by_one.topk, np.asarray(one.topk)[:, :first]).all()
+    np.testing.assert_allclose(one_by_one.compressed_mass, np.asarray(one.compressed_mass)[:, :first], atol=1e-5)
 
 
 def test_run_schedule_rejects_a_bad_schedule(tiny_layers):

@@ -19,7 +19,7 @@ from flax import nnx
 from helpers import golden_layer, load_golden
 
 import dsv4_jax
-from dsv4_jax import breaks, indexer, validation
+from dsv4_jax import breaks, indexer
 from dsv4_jax.cache import init_attention_cache
 from dsv4_jax.config import CSA, HCA, SLIDING
 from dsv4_jax.weights import export_hf_attention_weights
@@ -174,7 +174,10 @@ def test_nonfinite_check_modes(tiny, csa):
             csa(_h(tiny), _p(tiny), cache)
     finally:
         csa.check_finite = previous
-    assert validation.CHECK_FINITE is True
+    # The default (None: the module-wide `validation.CHECK_FINITE`) scans device inputs too.
+    assert csa.check_finite is None
+    with pytest.raises(ValueError, match="expected finite values"):
+        csa(bad_dev, _p(tiny), cache)
     next_call_is_reference(tiny, csa, cache)  # the cache passed in was never written
 
 
@@ -218,7 +221,7 @@ def test_exception_inside_the_host_break(tiny, monkeypatch, break_mode):
 
     monkeypatch.setattr(indexer, "select_topk", flaky)
     # query_block=97: a step no other test compiled, so it is traced with `flaky` in its break.
-    attn = golden_layer(tiny, CSA_LAYER, break_mode=break_mode, query_block=97)
+    attn = golden_layer(tiny, CSA_LAYER, break_mode=break_mode, break_on="host", query_block=97)
     cache = after_first_call(tiny, attn)
     fail["on"] = True
 

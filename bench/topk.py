@@ -1,0 +1,160 @@
+"""The indexer's selection alone: native handlers (csrc/) against XLA, on the device.
+
+    python bench/topk.py --json $OUT/gpu_topk.json          # on the H200 (~1 min)
+    python bench/topk.py --quick                             # CPU smoke run
+
+Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
+
+* ``topk``    the top-k alone on float32 scores [rows, 1, T]: `native.topk` (graph-compatible
+              and eager targets) against `lax.top_k` + -1 masking (`indexer.picks_from_scores`).
+              The issue's yardstick: 64 rows of 16k entries, k = 512.
+* ``select``  scoring + top-k for a decode step, queries [B, 1, nI, c] against the key cache
+              [B, T, c] in bfloat16: `native.select_topk` against `indexer.select_topk` (XLA).
+
+Protocol: each timed program runs the operation `unroll` times on different inputs inside one
+`jax.jit` (so that per-call dispatch, ~60-75 us on the H200, does not hide the kernels), after
+a warm-up call that compiles and one second of back-to-back calls (the card's clock ramps up
+from idle only under sustained work); the median over `repeats` calls, divided by `unroll`, is
+the time of one operation. Every variant's picks are checked against the XLA twin's before
+timing: a variant that disagrees is recorded with ``picks_equal: false``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dsv4_jax import indexer, native  # noqa: E402
+
+
+def time_program(fn, args, repeats: int, spin_s: float = 1.0) -> list[float]:
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    # Keep the device busy for `spin_s` first: an H200 idles at ~390 MHz and reaches its boost
+    # clock only under sustained work; short timed bursts alone would run at the idle clock.
+    t_end = time.perf_counter() + spin_s
+    while time.perf_counter() < t_end:
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def unrolled(op, unroll: int):
+    """One jitted program running `op` on each of `unroll` stacked inputs (unrolled, no loop)."""
+
+    def program(*stacked):
+        return [op(*(a[i] for a in stacked)) for i in range(unroll)]
+
+    return jax.jit(program)
+
+
+def topk_case(rows: int, slots: int, k: int, unroll: int, repeats: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((unroll, rows, 1, slots)).astype(np.float32)
+    scores[..., ::7] = np.round(scores[..., ::7])  # exact ties at several levels
+    visible = np.full((unroll, rows, 1), slots, np.int32)
+    scores_d, visible_d = jnp.asarray(scores), jnp.asarray(visible)
+    variants = {
+        "xla-lax.top_k": lambda s, v: indexer.picks_from_scores(s, v, k),
+        "native-graph": lambda s, v: native.topk(s, v, top_k=k, graph=True),
+        "native-eager": lambda s, v: native.topk(s, v, top_k=k, graph=False),
+    }
+    ref = None
+    out = []
+    for name, op in variants.items():
+        if name.startswith("native") and not native.available(jax.default_backend()):
+            out.append({"case": "topk", "variant": name, "skipped": native.unavailable_reason(jax.default_backend())})
+            continue
+        fn = unrolled(op, unroll)
+        picks = np.asarray(fn(scores_d, visible_d)[0])
+        ref = picks if ref is None else ref
+        times = time_program(fn, (scores_d, visible_d), repeats)
+        out.append({"case": "topk", "variant": name, "rows": rows, "slots": slots, "top_k": k, "unroll": unroll,
+                    "us_per_op_median": 1e6 * statistics.median(times) / unroll,
+                    "us_per_op_min": 1e6 * min(times) / unroll, "repeats": repeats,
+                    "picks_equal": bool(np.array_equal(picks, ref))})
+    return out
+
+
+def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
+                dtype=jnp.bfloat16, seed: int = 1) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads, dim)), dtype)
+    w = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads)) * heads**-0.5, jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((unroll, batch, slots, dim)), dtype)
+    visible = jnp.full((unroll, batch, 1), slots, jnp.int32)
+    variants = {
+        "xla": lambda q, w, kk, v: indexer.select_topk(q, w, kk, v, top_k=k),
+        "native-graph": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
+        "native-eager": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=False)[0],
+    }
+    ref = None
+    out = []
+    for name, op in variants.items():
+        if name.startswith("native") and not native.available(jax.default_backend()):
+            out.append({"case": "select", "variant": name, "skipped": native.unavailable_reason(jax.default_backend())})
+            continue
+        fn = unrolled(op, unroll)
+        picks = np.asarray(fn(q, w, keys, visible)[0])
+        ref = picks if ref is None else ref
+        times = time_program(fn, (q, w, keys, visible), repeats)
+        out.append({"case": "select", "variant": name, "batch": batch, "slots": slots, "heads": heads, "dim": dim,
+                    "top_k": k, "dtype": jnp.dtype(dtype).name, "unroll": unroll,
+                    "us_per_op_median": 1e6 * statistics.median(times) / unroll,
+                    "us_per_op_min": 1e6 * min(times) / unroll, "repeats": repeats,
+                    "picks_equal": bool(np.array_equal(picks, ref))})
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args(argv)
+    records = []
+    if args.quick:
+        records += topk_case(rows=8, slots=2048, k=64, unroll=4, repeats=5)
+        records += select_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3, dtype=jnp.float32)
+    else:
+        for rows, slots in ((64, 16384), (64, 4096), (64, 131072), (32, 4096), (1, 4096)):
+            records += topk_case(rows=rows, slots=slots, k=512, unroll=10, repeats=args.repeats)
+        for batch, slots in ((1, 512), (1, 4096), (8, 4096), (32, 4096), (32, 512)):
+            records += select_case(batch=batch, slots=slots, heads=64, dim=128, k=512, unroll=10,
+                                   repeats=args.repeats)
+    dev = jax.devices()[0]
+    meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax_version": jax.__version__,
+            "native": native.native_info(), "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "command": " ".join(["python", "bench/topk.py", *(argv if argv is not None else sys.argv[1:])])}
+    for r in records:
+        r.update(device=meta["device"], jax_version=meta["jax_version"])
+    print(f"{'case':7} {'variant':14} {'shape':28} {'us/op':>9}  picks==xla")
+    for r in records:
+        if r.get("skipped"):
+            print(f"{r['case']:7} {r['variant']:14} skipped: {r['skipped']}")
+            continue
+        shape = (f"{r['rows']}x{r['slots']} k={r['top_k']}" if r["case"] == "topk"
+                 else f"B={r['batch']} T={r['slots']} {r['dtype']}")
+        print(f"{r['case']:7} {r['variant']:14} {shape:28} {r['us_per_op_median']:9.1f}  {r['picks_equal']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

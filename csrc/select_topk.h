@@ -1,0 +1,120 @@
+// The indexer's selection (dsv4_jax.indexer.select_topk), shared by the CPU and CUDA handlers.
+//
+// Contract (the same as the XLA and NumPy twins in dsv4_jax/indexer.py):
+//   queries [..., S, nI, c]  float32 or bfloat16
+//   weights [..., S, nI]     float32 (head weights, nI^-1/2 already folded in)
+//   keys    [..., T, c]      same dtype as queries (the indexer's compressed keys)
+//   visible [..., S]         int32: query s may see entries t < visible[s]
+// ->
+//   picks   [..., S, K]      int32: the K best visible entries, descending score, equal scores
+//                            to the lower entry index, then -1 padding
+//   scores  [..., S, T]      float32: sum_h w_h * relu(q_h . k_t) * c^-1/2, -0.0 folded into
+//                            +0.0, -inf where t >= visible
+// Leading dims "..." are any batch dims (the layer's batch, plus vmap's), equal on all operands.
+//
+// The top-k-only entry point takes scores [..., S, T] float32 and visible [..., S] and gives
+// the picks, with the same ordering rule (scores at t >= visible are ignored).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace dsv4 {
+
+// Order-preserving map of a float to uint32: a > b (as floats, -0.0 < +0.0) iff key(a) > key(b).
+// -inf maps to 0x007FFFFF, below every finite value; NaN with the sign bit set maps lower still.
+inline uint32_t OrderedKeyHost(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// A candidate's sort key: score key in the high half, the complemented index in the low half,
+// so that a larger composite means "better" and equal scores put the lower index first. All
+// composites of a row are distinct, which makes every selection below deterministic.
+inline uint64_t CompositeKey(uint32_t score_key, uint32_t index) {
+  return (static_cast<uint64_t>(score_key) << 32) | static_cast<uint64_t>(0xFFFFFFFFu - index);
+}
+
+inline int32_t IndexOfComposite(uint64_t composite) {
+  return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(composite & 0xFFFFFFFFu));
+}
+
+}  // namespace dsv4
+
+// ---------------------------------------------------------------------------- shapes
+// Included after the XLA FFI headers by each handler's translation unit.
+#ifdef XLA_FFI_API_FFI_H_
+#include <string>
+#include <vector>
+
+namespace dsv4 {
+
+struct SelectDims {
+  int64_t rows = 1;   // product of the leading batch dims
+  int64_t seq = 0;    // S: queries per batch row
+  int64_t heads = 0;  // nI
+  int64_t dim = 0;    // c
+  int64_t slots = 0;  // T
+  int64_t top_k = 0;  // K
+};
+
+inline std::string DimsToString(xla::ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+// Validates the operands of the selection (or, with `queries` == nullptr, of the top-k alone:
+// then `keys_or_scores` is scores [..., S, T]) and returns their sizes.
+inline xla::ffi::Error ParseDims(const xla::ffi::AnyBuffer* queries, xla::ffi::Span<const int64_t> weights,
+                                 xla::ffi::Span<const int64_t> keys_or_scores, xla::ffi::Span<const int64_t> visible,
+                                 xla::ffi::Span<const int64_t> picks, xla::ffi::Span<const int64_t> scores_out,
+                                 SelectDims* d) {
+  using xla::ffi::Error;
+  const size_t lead = visible.size() - 1;
+  if (visible.size() < 2) return Error::InvalidArgument("dsv4 select_topk: visible must be [..., S], got " + DimsToString(visible));
+  auto same_lead = [&](xla::ffi::Span<const int64_t> dims, size_t rank, const char* name) -> Error {
+    if (dims.size() != rank) {
+      return Error::InvalidArgument(std::string("dsv4 select_topk: ") + name + " has rank " + std::to_string(dims.size()) +
+                                    ", expected " + std::to_string(rank) + " (visible is " + DimsToString(visible) + ")");
+    }
+    for (size_t i = 0; i < lead; ++i) {
+      if (dims[i] != visible[i]) {
+        return Error::InvalidArgument(std::string("dsv4 select_topk: leading dims of ") + name + " " + DimsToString(dims) +
+                                      " differ from visible's " + DimsToString(visible));
+      }
+    }
+    return Error::Success();
+  };
+  d->rows = 1;
+  for (size_t i = 0; i < lead; ++i) d->rows *= visible[i];
+  d->seq = visible[lead];
+  if (Error e = same_lead(picks, lead + 2, "picks"); e.failure()) return e;
+  if (picks[lead] != d->seq) return Error::InvalidArgument("dsv4 select_topk: picks " + DimsToString(picks) + " vs visible " + DimsToString(visible));
+  d->top_k = picks[lead + 1];
+  if (queries == nullptr) {  // top-k alone: keys_or_scores is scores [..., S, T]
+    if (Error e = same_lead(keys_or_scores, lead + 2, "scores"); e.failure()) return e;
+    if (keys_or_scores[lead] != d->seq) return Error::InvalidArgument("dsv4 topk: scores " + DimsToString(keys_or_scores) + " vs visible " + DimsToString(visible));
+    d->slots = keys_or_scores[lead + 1];
+    return Error::Success();
+  }
+  auto q = queries->dimensions();
+  if (Error e = same_lead(q, lead + 3, "queries"); e.failure()) return e;
+  if (Error e = same_lead(weights, lead + 2, "weights"); e.failure()) return e;
+  if (Error e = same_lead(keys_or_scores, lead + 2, "keys"); e.failure()) return e;
+  if (Error e = same_lead(scores_out, lead + 2, "scores"); e.failure()) return e;
+  d->heads = q[lead + 1];
+  d->dim = q[lead + 2];
+  d->slots = keys_or_scores[lead];
+  if (q[lead] != d->seq || weights[lead] != d->seq || weights[lead + 1] != d->heads ||
+      keys_or_scores[lead + 1] != d->dim || scores_out[lead] != d->seq || scores_out[lead + 1] != d->slots) {
+    return Error::InvalidArgument("dsv4 select_topk: inconsistent shapes: queries " + DimsToString(q) + ", weights " +
+                                  DimsToString(weights) + ", keys " + DimsToString(keys_or_scores) + ", visible " +
+                                  DimsToString(visible) + ", scores " + DimsToString(scores_out));
+  }
+  return Error::Success();
+}
+
+}  // namespace dsv4
+#endif  // XLA_FFI_API_FFI_H_

@@ -1,0 +1,188 @@
+// CPU handlers of the indexer's selection (contract in select_topk.h), and the Python module
+// `dsv4_jax._native_cpu` that hands their XLA FFI capsules to dsv4_jax/native.py.
+//
+// On the CPU there are no command buffers, so the "eager" and "graph" targets are one handler.
+#include <Python.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "select_topk.h"
+
+namespace ffi = xla::ffi;
+
+namespace dsv4 {
+namespace {
+
+inline float LoadF32(const float* p, int64_t i) { return p[i]; }
+inline float LoadF32(const uint16_t* p, int64_t i) {  // bfloat16 -> float32 is exact
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// The K best of scores[0, n) into picks[0, K): descending score, ties to the lower index, -1 after.
+void SelectRow(const float* scores, int64_t n, int64_t top_k, int32_t* picks, std::vector<uint64_t>& buf) {
+  buf.resize(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) buf[t] = CompositeKey(OrderedKeyHost(scores[t]), static_cast<uint32_t>(t));
+  const int64_t k = std::min(n, top_k);
+  if (k < n) std::nth_element(buf.begin(), buf.begin() + k, buf.end(), std::greater<uint64_t>());
+  std::sort(buf.begin(), buf.begin() + k, std::greater<uint64_t>());
+  for (int64_t i = 0; i < k; ++i) picks[i] = IndexOfComposite(buf[i]);
+  for (int64_t i = k; i < top_k; ++i) picks[i] = -1;
+}
+
+inline int64_t VisibleCount(int32_t visible, int64_t slots) {
+  return std::min<int64_t>(std::max<int32_t>(visible, 0), slots);
+}
+
+template <typename In>
+void Select(const In* queries, const float* weights, const In* keys, const int32_t* visible, int32_t* picks,
+            float* scores, const SelectDims& d) {
+  const float scale = static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));  // c^-1/2 as float32
+  std::vector<float> q(static_cast<size_t>(d.heads * d.dim));
+  std::vector<float> k(static_cast<size_t>(d.dim));
+  std::vector<uint64_t> buf;
+  for (int64_t b = 0; b < d.rows; ++b) {
+    const In* keys_b = keys + b * d.slots * d.dim;
+    for (int64_t s = 0; s < d.seq; ++s) {
+      const int64_t row = b * d.seq + s;
+      const In* q_row = queries + row * d.heads * d.dim;
+      const float* w_row = weights + row * d.heads;
+      float* out = scores + row * d.slots;
+      for (int64_t i = 0; i < d.heads * d.dim; ++i) q[i] = LoadF32(q_row, i);
+      const int64_t n = VisibleCount(visible[row], d.slots);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t i = 0; i < d.dim; ++i) k[i] = LoadF32(keys_b, t * d.dim + i);
+        const float* kt = k.data();
+        float total = 0.0f;
+        for (int64_t h = 0; h < d.heads; ++h) {
+          const float* qh = q.data() + h * d.dim;
+          float dot = 0.0f;
+          // A vectorized float32 sum (its order, like BLAS's or XLA's, is not the sequential one).
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d.dim; ++i) dot += qh[i] * kt[i];
+          total += std::max(dot, 0.0f) * scale * w_row[h];  // the reference's order of operations
+        }
+        out[t] = total == 0.0f ? 0.0f : total;  // fold -0.0 into +0.0: ties must compare equal
+      }
+      std::fill(out + n, out + d.slots, -std::numeric_limits<float>::infinity());
+      SelectRow(out, n, d.top_k, picks + row * d.top_k, buf);
+    }
+  }
+}
+
+ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
+                          ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
+                          ffi::Result<ffi::Buffer<ffi::F32>> scores) {
+  SelectDims d;
+  if (ffi::Error e = ParseDims(&queries, weights.dimensions(), keys.dimensions(), visible.dimensions(),
+                               picks->dimensions(), scores->dimensions(), &d);
+      e.failure()) {
+    return e;
+  }
+  if (queries.element_type() != keys.element_type()) {
+    return ffi::Error::InvalidArgument("dsv4 select_topk: queries and keys must share a dtype");
+  }
+  switch (queries.element_type()) {
+    case ffi::DataType::F32:
+      Select(static_cast<const float*>(queries.untyped_data()), weights.typed_data(),
+             static_cast<const float*>(keys.untyped_data()), visible.typed_data(), picks->typed_data(),
+             scores->typed_data(), d);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      Select(static_cast<const uint16_t*>(queries.untyped_data()), weights.typed_data(),
+             static_cast<const uint16_t*>(keys.untyped_data()), visible.typed_data(), picks->typed_data(),
+             scores->typed_data(), d);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("dsv4 select_topk: queries/keys must be float32 or bfloat16");
+  }
+}
+
+ffi::Error TopkImpl(ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> visible,
+                    ffi::Result<ffi::Buffer<ffi::S32>> picks) {
+  SelectDims d;
+  if (ffi::Error e = ParseDims(nullptr, {}, scores.dimensions(), visible.dimensions(), picks->dimensions(), {}, &d);
+      e.failure()) {
+    return e;
+  }
+  std::vector<uint64_t> buf;
+  for (int64_t row = 0; row < d.rows * d.seq; ++row) {
+    SelectRow(scores.typed_data() + row * d.slots, VisibleCount(visible.typed_data()[row], d.slots), d.top_k,
+              picks->typed_data() + row * d.top_k, buf);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace dsv4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkCpu, dsv4::SelectTopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCpu, dsv4::TopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+// ---------------------------------------------------------------------------- Python module
+namespace {
+
+PyObject* Registrations(PyObject*, PyObject*) {
+  // target name -> handler capsule; dsv4_jax/native.py registers each for the CPU platform.
+  struct Entry {
+    const char* name;
+    void* fn;
+  };
+  const Entry entries[] = {
+      {"dsv4_select_topk", reinterpret_cast<void*>(&Dsv4SelectTopkCpu)},
+      {"dsv4_select_topk_graph", reinterpret_cast<void*>(&Dsv4SelectTopkCpu)},
+      {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCpu)},
+      {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCpu)},
+  };
+  PyObject* out = PyDict_New();
+  if (out == nullptr) return nullptr;
+  for (const Entry& e : entries) {
+    PyObject* capsule = PyCapsule_New(e.fn, nullptr, nullptr);
+    if (capsule == nullptr || PyDict_SetItemString(out, e.name, capsule) != 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return out;
+}
+
+PyObject* BuildInfo(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:s,s:s,s:s}", "ffi_api",
+                       (std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR)).c_str(),
+                       "compiler", __VERSION__, "platform", "cpu");
+}
+
+PyMethodDef kMethods[] = {
+    {"registrations", Registrations, METH_NOARGS, "FFI target name -> handler capsule."},
+    {"build_info", BuildInfo, METH_NOARGS, "How this module was built."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_cpu", "dsv4_jax CPU FFI handlers", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native_cpu(void) { return PyModule_Create(&kModule); }

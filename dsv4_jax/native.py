@@ -1,0 +1,153 @@
+"""The native XLA FFI handlers of the indexer's selection (built from csrc/): loading,
+registration, the calls, and what was built.
+
+The only module that imports the compiled extensions or knows the FFI target names. Two
+targets per platform, same contract as `indexer.select_topk` (see csrc/select_topk.h):
+
+==========================  ===============================================================
+target                      what it does
+==========================  ===============================================================
+``dsv4_select_topk``        scoring + top-k; on CUDA an **eager break**: the handler has no
+                            command-buffer trait, so XLA ends its CUDA graph before it and
+                            starts a new one after it (vLLM's ``eager_break_during_capture``)
+``dsv4_select_topk_graph``  the same kernels, declared command-buffer compatible: captured
+                            inside XLA's CUDA graph (used by ``break_mode="none"``)
+``dsv4_topk[_graph]``       the top-k alone, on float32 scores (property tests, benchmarks)
+==========================  ===============================================================
+
+On the CPU there are no command buffers; both names run the same C++ handler.
+
+The extensions are built by ``pip install -e .`` (scikit-build-core + CMake) against the XLA
+FFI headers of jax 0.10.2 (FFI API 0.3), which load on every supported jax. Where a compiler
+was missing, the module is absent and `available` says so; `native_info` tells the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# jax platform name -> (extension module, the name `register_ffi_target` takes).
+_EXTENSIONS = {"cpu": ("dsv4_jax._native_cpu", "cpu"), "cuda": ("dsv4_jax._native_cuda", "CUDA")}
+_BUILD_HINT = (
+    "reinstall the package where a C++ compiler (and, for GPUs, nvcc) is on PATH: "
+    "`pip install -e .` (add `-Ccmake.define.DSV4_CUDA=ON` to require the CUDA part)"
+)
+
+
+def platform_name(platform: str) -> str:
+    """jax's backend names ("gpu") and platform names ("cuda") to one key: "cpu" or "cuda"."""
+    return "cuda" if platform in ("gpu", "cuda") else platform
+
+
+@functools.cache
+def _extension(platform: str) -> tuple[Any, str | None]:
+    """(the imported extension, None) or (None, why not)."""
+    module = _EXTENSIONS.get(platform)
+    if module is None:
+        return None, f"no native handlers exist for platform {platform!r}"
+    try:
+        return importlib.import_module(module[0]), None
+    except ImportError as err:
+        return None, f"{module[0]} is not built ({err}); {_BUILD_HINT}"
+
+
+def _backend_present(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _registered(platform: str) -> str | None:
+    """Register the platform's targets with XLA once; None when ready, else why not."""
+    ext, why = _extension(platform)
+    if ext is None:
+        return why
+    if not _backend_present(platform):
+        return f"jax has no {platform} backend in this process"
+    for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=_EXTENSIONS[platform][1])
+    return None
+
+
+def available(platform: str) -> bool:
+    """Whether the native selection can run on `platform` ("cpu", "gpu"/"cuda") here."""
+    return _registered(platform_name(platform)) is None
+
+
+def unavailable_reason(platform: str) -> str | None:
+    return _registered(platform_name(platform))
+
+
+def native_info() -> dict[str, Any]:
+    """What was built and what is usable in this process, per platform.
+
+    ``{"jax": "0.10.2", "cpu": {"built": True, "usable": True, "ffi_api": "0.3", ...},
+    "cuda": {"built": False, "usable": False, "reason": "..."}}``
+    """
+    info: dict[str, Any] = {"jax": jax.__version__}
+    for platform in _EXTENSIONS:
+        ext, why = _extension(platform)
+        entry: dict[str, Any] = {"built": ext is not None}
+        if ext is not None:
+            entry.update(ext.build_info())
+            entry["targets"] = sorted(ext.registrations())
+        reason = _registered(platform)
+        entry["usable"] = reason is None
+        if reason is not None:
+            entry["reason"] = why or reason
+        info[platform] = entry
+    return info
+
+
+def _register_all() -> None:
+    for platform in _EXTENSIONS:
+        _registered(platform)
+
+
+def select_topk(queries, weights, keys, visible, *, top_k: int, graph: bool):
+    """(picks int32 [..., S, top_k], scores float32 [..., S, T]) from the native handler.
+
+    queries [..., S, nI, c] and keys [..., T, c] in float32 or bfloat16 (other dtypes are
+    computed in float32), weights float32 [..., S, nI], visible int32 [..., S]. `graph`
+    picks the command-buffer-compatible target (no break) over the eager break.
+    The inputs carry no gradient (the picks are integers; see `indexer_kl_loss` for the
+    indexer's training signal); `vmap` adds leading dims, which the handler accepts.
+    """
+    _register_all()
+    dtype = queries.dtype if queries.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
+    args = (
+        jax.lax.stop_gradient(queries.astype(dtype)),
+        jax.lax.stop_gradient(weights.astype(jnp.float32)),
+        jax.lax.stop_gradient(keys.astype(dtype)),
+        visible.astype(jnp.int32),
+    )
+    lead_and_seq = queries.shape[:-2]
+    out_types = (
+        jax.ShapeDtypeStruct((*lead_and_seq, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((*lead_and_seq, keys.shape[-2]), jnp.float32),
+    )
+    name = "dsv4_select_topk_graph" if graph else "dsv4_select_topk"
+    return jax.ffi.ffi_call(name, out_types, vmap_method="broadcast_all")(*args)
+
+
+def topk(scores, visible, *, top_k: int, graph: bool = True):
+    """int32 [..., S, top_k]: the native top-k of float32 scores [..., S, T] over ``t < visible``.
+
+    Descending score, equal scores to the lower index, -1 padding (as `indexer.picks_from_scores`
+    on scores that are -inf from `visible` on).
+    """
+    _register_all()
+    out_type = jax.ShapeDtypeStruct((*scores.shape[:-1], top_k), jnp.int32)
+    name = "dsv4_topk_graph" if graph else "dsv4_topk"
+    return jax.ffi.ffi_call(name, out_type, vmap_method="broadcast_all")(
+        jax.lax.stop_gradient(jnp.asarray(scores, jnp.float32)), jnp.asarray(visible, jnp.int32))
+
+
+__all__ = ["available", "native_info", "platform_name", "select_topk", "topk", "unavailable_reason"]

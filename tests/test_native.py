@@ -1,0 +1,210 @@
+"""The native indexer handlers (csrc/, `dsv4_jax.native`) against their XLA and NumPy twins.
+
+Spec: the native `select_topk` gives the picks of `indexer.select_topk` (scores within float32
+rounding), and the native top-k gives exactly the picks of the reference top-k
+(`indexer.picks_from_scores`: descending score, equal scores to the lower entry index, -1
+padding) on any row: many exact ties, k of 1, 7 and 512, rows of 1 to 128k entries, fewer
+entries than k, nothing visible. The break's place is planned once, with clear errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import NATIVE_BUILT, random_layer, rel_err, run_schedule
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dsv4_jax
+from dsv4_jax import breaks, indexer, native
+from dsv4_jax.config import CSA, HCA
+
+needs_native = pytest.mark.skipif(not NATIVE_BUILT, reason="native handlers not built for this platform")
+
+
+def reference_picks(scores: np.ndarray, visible: np.ndarray, k: int) -> np.ndarray:
+    """The NumPy twin's top-k on scores masked to -inf from `visible` on (the layer's contract)."""
+    masked = np.where(np.arange(scores.shape[-1]) < visible[..., None], scores, -np.inf).astype(np.float32)
+    return indexer.picks_from_scores(masked, visible, k)
+
+
+def quantized_rows(rng, rows: int, slots: int, levels: int) -> np.ndarray:
+    """Scores from a few levels: exact ties everywhere, as the ReLU makes them early on."""
+    return (rng.integers(-levels, levels + 1, size=(rows, 1, slots)) / 4.0).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- top-k alone
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), slots=st.integers(1, 700), k=st.sampled_from([1, 7, 512]),
+       levels=st.sampled_from([0, 1, 3, 1000]))
+def test_topk_equals_the_reference_on_tied_rows(seed, slots, k, levels):
+    rng = np.random.default_rng(seed)
+    scores = quantized_rows(rng, 3, slots, levels)
+    visible = rng.integers(0, slots + 1, size=(3, 1)).astype(np.int32)
+    visible[0, 0] = slots  # one row sees everything
+    got = np.asarray(native.topk(scores, visible, top_k=k))
+    np.testing.assert_array_equal(got, reference_picks(scores, visible, k))
+
+
+@needs_native
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_topk_on_long_rows(graph):
+    """128k entries, k=512, ties at the threshold: the selection must take the lowest indices."""
+    rng = np.random.default_rng(3)
+    slots = 131072
+    scores = quantized_rows(rng, 2, slots, 2000)
+    scores[1, 0, ::3] = 1000.0  # above every level (at most 500): far more ties at the top than k
+    visible = np.array([[slots], [slots - 5]], np.int32)
+    got = np.asarray(native.topk(scores, visible, top_k=512, graph=graph))
+    np.testing.assert_array_equal(got, reference_picks(scores, visible, 512))
+    assert got[1, 0].tolist() == list(range(0, 3 * 512, 3))
+
+
+@needs_native
+def test_topk_rows_with_nothing_or_only_minus_inf():
+    scores = np.full((2, 1, 40), -np.inf, np.float32)
+    visible = np.array([[0], [25]], np.int32)  # nothing visible; visible but all -inf
+    got = np.asarray(native.topk(scores, visible, top_k=7))
+    assert (got[0] == -1).all()
+    assert got[1, 0].tolist() == list(range(7))  # -inf ties: lower index first
+    np.testing.assert_array_equal(got, reference_picks(scores, visible, 7))
+
+
+# ---------------------------------------------------------------------------- scoring + top-k
+def random_selection_inputs(rng, dtype, *, batch=2, seq=9, heads=4, dim=16, slots=45, zero_heads=False):
+    q = rng.normal(size=(batch, seq, heads, dim))
+    w = rng.normal(size=(batch, seq, heads)).astype(np.float32)
+    if zero_heads:  # every score exactly 0 (signed zeros included): all ties
+        w[:] = 0.0
+    keys = rng.normal(size=(batch, slots, dim))
+    visible = rng.integers(0, slots + 1, size=(batch, seq)).astype(np.int32)
+    return jnp.asarray(q, dtype), jnp.asarray(w), jnp.asarray(keys, dtype), jnp.asarray(visible)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("zero_heads", [False, True], ids=["random", "all-tied"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_select_topk_matches_the_xla_twin(dtype, zero_heads, graph):
+    rng = np.random.default_rng(11)
+    args = random_selection_inputs(rng, dtype, zero_heads=zero_heads)
+    want_picks, want_scores = indexer.select_topk(*args, top_k=6, with_scores=True)
+    picks, scores = jax.jit(lambda *a: native.select_topk(*a, top_k=6, graph=graph))(*args)
+    np.testing.assert_array_equal(np.asarray(picks), np.asarray(want_picks))
+    seen = np.isfinite(np.asarray(want_scores))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(scores)), seen)
+    assert rel_err(np.asarray(scores)[seen], np.asarray(want_scores)[seen]) < 1e-6
+    assert not np.signbit(np.asarray(scores)[np.asarray(scores) == 0]).any(), "-0.0 must be folded into +0.0"
+
+
+@needs_native
+def test_select_topk_under_vmap_and_grad():
+    rng = np.random.default_rng(5)
+    q, w, keys, visible = random_selection_inputs(rng, jnp.float32)
+    single = native.select_topk(q, w, keys, visible, top_k=5, graph=False)[0]
+    stacked = jax.vmap(lambda *a: native.select_topk(*a, top_k=5, graph=False)[0])(
+        *(jnp.stack([a, a]) for a in (q, w, keys, visible)))
+    np.testing.assert_array_equal(np.asarray(stacked), np.stack([single, single]))
+    # The picks are integers: the break passes no gradient, and differentiating through it works.
+    grad = jax.grad(lambda q: jnp.sum(jnp.take_along_axis(
+        q[..., 0, 0], jnp.maximum(native.select_topk(q, w, keys, visible, top_k=5, graph=False)[0][..., 0], 0),
+        axis=1)))(q)
+    assert np.isfinite(np.asarray(grad)).all()
+
+
+# ---------------------------------------------------------------------------- the layer
+@needs_native
+def test_gradients_through_the_device_break_equal_none():
+    cfg = dsv4_jax.DeepseekV4Config.tiny()
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(1, 21, cfg.hidden_size)), jnp.float32)
+    pos = jnp.arange(21, dtype=jnp.int32)[None]
+    grads = {}
+    for name, kwargs in {"none": dict(break_mode="none", kernels="xla"),
+                         "narrow-device": dict(break_mode="narrow", break_on="device"),
+                         "narrow-host": dict(break_mode="narrow", break_on="host")}.items():
+        attn = random_layer(cfg, 1, seed=3, **kwargs)
+        spec = attn.step_spec(x.dtype)
+        cache = attn.init_cache(1, 21)
+
+        def loss(weights, attn=attn, spec=spec, cache=cache):
+            out, _, _ = dsv4_jax.attention_step(weights, cache, x, pos, spec)
+            return jnp.sum(out**2)
+
+        grads[name] = jax.grad(loss)(attn.weights())
+    for name in ("narrow-device", "narrow-host"):
+        for a, b in zip(jax.tree.leaves(grads[name]), jax.tree.leaves(grads["none"]), strict=True):
+            # Different compiled programs (on a GPU, other fusions) round differently: the project's
+            # float32 bound, relative to each gradient's size.
+            assert rel_err(a, b) < 2e-5, f"{name}: {rel_err(a, b):.2e}"
+
+
+def test_wide_break_refuses_differentiation():
+    cfg = dsv4_jax.DeepseekV4Config.tiny()
+    attn = random_layer(cfg, 2, seed=3, break_mode="wide")
+    x = jnp.ones((1, 9, cfg.hidden_size), jnp.float32)
+    pos = jnp.arange(9, dtype=jnp.int32)[None]
+    spec, cache = attn.step_spec(x.dtype), attn.init_cache(1, 9)
+    with pytest.raises(ValueError, match=r"break_mode: 'wide' cannot be differentiated.*'none' or 'narrow'"):
+        jax.grad(lambda w: jnp.sum(dsv4_jax.attention_step(w, cache, x, pos, spec)[0]))(attn.weights())
+
+
+@needs_native
+def test_device_narrow_decode_matches_host_narrow():
+    """A prefill and decode steps: the device break gives the host break's picks and outputs."""
+    cfg = dsv4_jax.DeepseekV4Config.tiny()
+    x = np.random.default_rng(9).normal(size=(2, 30, cfg.hidden_size)).astype(np.float32)
+    outs = {}
+    for place in ("host", "device"):
+        attn = random_layer(cfg, 1, seed=6, break_on=place)
+        outs[place] = run_schedule(attn, x, [17] + [1] * 13, return_intermediates=True)
+    np.testing.assert_array_equal(outs["device"][0], outs["host"][0])
+    for a, b in zip(outs["device"][1], outs["host"][1], strict=True):
+        np.testing.assert_array_equal(np.asarray(a[0].topk), np.asarray(b[0].topk))
+
+
+# ---------------------------------------------------------------------------- the plan
+def test_plan_resolves_each_choice_once():
+    plan = breaks.plan_break
+    assert plan(CSA, "narrow", "host") == dsv4_jax.BreakPlan("narrow", "host", False)
+    assert plan(CSA, "wide", "auto") == dsv4_jax.BreakPlan("wide", "host", False)
+    assert plan(HCA, "narrow", "device") == dsv4_jax.BreakPlan("none")  # nothing to break
+    assert plan(CSA, "none", "auto", "xla") == dsv4_jax.BreakPlan("none", None, False)
+    if NATIVE_BUILT:
+        assert plan(CSA, "narrow", "auto") == dsv4_jax.BreakPlan("narrow", "device", True)
+        assert plan(CSA, "none", "auto") == dsv4_jax.BreakPlan("none", None, True)
+
+
+def test_plan_errors_name_the_argument(monkeypatch):
+    with pytest.raises(ValueError, match=r"break_on: 'device' is not available with break_mode='wide'"):
+        breaks.plan_break(CSA, "wide", "device")
+    with pytest.raises(ValueError, match=r"break_on: expected one of \('auto', 'host', 'device'\), got 'gpu'"):
+        breaks.plan_break(CSA, "narrow", "gpu")
+    with pytest.raises(ValueError, match=r"kernels: expected one of \('auto', 'native', 'xla'\), got 'pallas'"):
+        dsv4_jax.DeepseekV4Attention(dsv4_jax.DeepseekV4Config.tiny(), 1, rngs=nnx.Rngs(0), kernels="pallas")
+    with pytest.raises(ValueError, match=r"break_on='device': needs the native indexer handlers, but kernels='xla'"):
+        breaks.plan_break(CSA, "narrow", "device", "xla")
+    # A machine where nothing was built: "auto" falls back to the host, "device" says how to build.
+    monkeypatch.setattr(native, "unavailable_reason", lambda platform: "dsv4_jax._native_cpu is not built; pip install")
+    monkeypatch.setattr(native, "available", lambda platform: False)
+    assert breaks.plan_break(CSA, "narrow", "auto") == dsv4_jax.BreakPlan("narrow", "host", False)
+    assert breaks.plan_break(CSA, "none", "auto") == dsv4_jax.BreakPlan("none", None, False)
+    with pytest.raises(ValueError, match=r"break_on=.device.: the native indexer handlers are not usable.*pip install"):
+        breaks.plan_break(CSA, "narrow", "device")
+
+
+def test_native_info_says_what_was_built():
+    info = dsv4_jax.native_info()
+    assert info["jax"] == jax.__version__
+    for platform in ("cpu", "cuda"):
+        entry = info[platform]
+        assert entry["usable"] == (entry["built"] and "reason" not in entry)
+        if entry["built"]:
+            assert entry["ffi_api"] == "0.3"  # the oldest supported jaxlib's headers: loads on all
+            assert set(entry["targets"]) == {"dsv4_select_topk", "dsv4_select_topk_graph", "dsv4_topk",
+                                             "dsv4_topk_graph"}
+        else:
+            assert "pip install" in entry["reason"]
