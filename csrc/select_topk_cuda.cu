@@ -2,7 +2,7 @@
 // `dsv4_jax._native_cuda` that hands their XLA FFI capsules to dsv4_jax/native.py.
 //
 // Two kernels per call, on the stream XLA gives the handler:
-//   ScoreKernel  one block per (query row, tile of 128 entries); the row's queries live in
+//   ScoreKernel  one block per (query row, tile of 64 entries); the row's queries live in
 //                shared memory as float32, each thread scores one entry: 64 head dots over c
 //                channels, relu, scale, head weight, sum (the reference's order per head).
 //   TopkKernel   one block per query row: a 4-pass radix select (8 bits a pass) finds the
@@ -29,7 +29,7 @@ namespace dsv4 {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kScoreThreads = 128;      // entries scored per block
+constexpr int kScoreThreads = 64;       // entries scored per block (small: many blocks for short rows)
 constexpr int kTopkThreads = 512;       // threads per query row in the selection
 constexpr int kFastHeads = 64;          // nI of V4-Flash / V4-Pro: the register-tiled path
 constexpr int kMaxSortSize = 4096;      // largest power of two the sort holds (index_topk <= 4096)
@@ -81,7 +81,13 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
   const int64_t row = blockIdx.x;  // b * seq + s
   const int64_t b = row / seq;
   const In* q_row = queries + row * heads * dim;
-  for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) q[i] = ToF32(q_row[i]);
+  if constexpr (kHeads > 0) {  // 16-byte loads, several in flight per thread (dim % 8 == 0)
+    const int vectors = heads * dim / 8;
+#pragma unroll 4
+    for (int v = threadIdx.x; v < vectors; v += blockDim.x) Load8(q_row + 8 * v, q + 8 * v);
+  } else {
+    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) q[i] = ToF32(q_row[i]);
+  }
   for (int i = threadIdx.x; i < heads; i += blockDim.x) w[i] = weights[row * heads + i];
   __syncthreads();
 
@@ -141,38 +147,46 @@ __device__ __forceinline__ uint32_t BlockExclusiveCount(bool flag, uint32_t* war
   return before + __popc(ballot & ((1u << lane) - 1u));
 }
 
+constexpr int kLoadBatch = 8;  // row elements each thread loads before using them (latency hiding)
+
 // grid (rows * seq), block kTopkThreads, shared sort_size uint64.
 __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __restrict__ visible,
                            int32_t* __restrict__ picks, int64_t slots, int top_k, int sort_size) {
   extern __shared__ uint64_t cand[];  // [sort_size] composite keys of the candidates
   __shared__ uint32_t hist[256];
   __shared__ uint32_t warp_counts[kTopkThreads / 32];
-  __shared__ uint32_t chosen_bin, above_bin, gt_slots;
+  __shared__ uint32_t chosen_bin, above_bin, equal_count, slot_counter;
   const int64_t row = blockIdx.x;
   const float* s = scores + row * slots;
   const int64_t n = VisibleCount(visible[row], slots);
   const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t stride = blockDim.x, batch_span = stride * kLoadBatch;
   int64_t n_cand;
 
   if (n <= top_k) {
-    for (int64_t i = tid; i < n; i += blockDim.x) cand[i] = Composite(OrderedKey(s[i]), i);
+    for (int64_t i = tid; i < n; i += stride) cand[i] = Composite(OrderedKey(s[i]), i);
     n_cand = n;
   } else {
     // Radix select: after the four passes, `prefix` is the key of the K-th largest score and
     // `need` the number of entries with exactly that key that belong to the top K.
     uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(top_k);
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+      for (int i = tid; i < 256; i += stride) hist[i] = 0;
       __syncthreads();
-      for (int64_t base = 0; base < n; base += blockDim.x) {  // uniform trip count: all lanes vote
-        const int64_t i = base + tid;
-        uint32_t bin = 256;
-        if (i < n) {
-          const uint32_t key = OrderedKey(s[i]);
-          if ((key & mask) == prefix) bin = (key >> shift) & 255u;
+      for (int64_t base = 0; base < n; base += batch_span) {  // uniform trip count: all lanes vote
+        uint32_t keys[kLoadBatch];
+#pragma unroll
+        for (int j = 0; j < kLoadBatch; ++j) {
+          const int64_t i = base + j * stride + tid;
+          keys[j] = i < n ? OrderedKey(s[i]) : 0u;
         }
-        const uint32_t peers = __match_any_sync(kFullMask, bin);
-        if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<uint32_t>(__popc(peers)));
+#pragma unroll
+        for (int j = 0; j < kLoadBatch; ++j) {
+          const int64_t i = base + j * stride + tid;
+          const uint32_t bin = (i < n && (keys[j] & mask) == prefix) ? (keys[j] >> shift) & 255u : 256u;
+          const uint32_t peers = __match_any_sync(kFullMask, bin);
+          if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<uint32_t>(__popc(peers)));
+        }
       }
       __syncthreads();
       if (tid < 32) {  // warp 0: lane l owns bins 255-8l .. 248-8l, highest first
@@ -190,11 +204,12 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
         }
         uint32_t above = inclusive - sum;
         if (above < need && need <= inclusive) {
+#pragma unroll
           for (int j = 0; j < 8; ++j) {
-            if (need <= above + local[j]) {
+            if (above < need && need <= above + local[j]) {
               chosen_bin = 255 - 8 * lane - j;
               above_bin = above;
-              break;
+              equal_count = local[j];  // after the last pass: the entries equal to the threshold
             }
             above += local[j];
           }
@@ -205,20 +220,35 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
       mask |= 255u << shift;
       need -= above_bin;
     }
-    // Gather: entries above the threshold (any slot order: the sort below fixes the order), then
-    // the first `need` entries equal to it in index order (the lower index wins the tie).
-    if (tid == 0) gt_slots = 0;
+    // Gather: entries above the threshold in any slot order (the sort below fixes the order).
+    // Entries equal to it: all of them when they are exactly `need`; otherwise the first `need`
+    // in index order (the lower index wins the tie), found by block prefix counts.
+    const bool all_equal_in = equal_count == need;
+    if (tid == 0) slot_counter = 0;
     __syncthreads();
     const uint32_t n_above = static_cast<uint32_t>(top_k) - need;
     uint32_t eq_seen = 0;
-    for (int64_t base = 0; base < n; base += blockDim.x) {
-      const int64_t i = base + tid;
-      const uint32_t key = i < n ? OrderedKey(s[i]) : 0u;
-      if (i < n && key > prefix) cand[atomicAdd(&gt_slots, 1u)] = Composite(key, i);
-      uint32_t eq_total;
-      const uint32_t rank = BlockExclusiveCount(i < n && key == prefix, warp_counts, &eq_total);
-      if (i < n && key == prefix && eq_seen + rank < need) cand[n_above + eq_seen + rank] = Composite(key, i);
-      eq_seen += eq_total;
+    for (int64_t base = 0; base < n; base += batch_span) {
+      uint32_t keys[kLoadBatch];
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int64_t i = base + j * stride + tid;
+        keys[j] = i < n ? OrderedKey(s[i]) : 0u;
+      }
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int64_t i = base + j * stride + tid;
+        const bool valid = i < n;
+        if (valid && (keys[j] > prefix || (all_equal_in && keys[j] == prefix))) {
+          cand[atomicAdd(&slot_counter, 1u)] = Composite(keys[j], i);
+        }
+        if (!all_equal_in) {  // uniform across the block
+          uint32_t eq_total;
+          const uint32_t rank = BlockExclusiveCount(valid && keys[j] == prefix, warp_counts, &eq_total);
+          if (valid && keys[j] == prefix && eq_seen + rank < need) cand[n_above + eq_seen + rank] = Composite(keys[j], i);
+          eq_seen += eq_total;
+        }
+      }
     }
     n_cand = top_k;
   }
