@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dsv4_jax.config import CSA, HCA
+
 H200_BYTES_PER_S = 4.3e12
 H200_FLOPS = 790e12
 
@@ -22,11 +24,12 @@ def projection_params(cfg, layer: str) -> int:
     h, d, lq, hid = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hidden_size
     n = hid * lq + lq * h * d + hid * d + h * d * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * hid
     if layer == "csa":
-        n += 2 * hid * 2 * d  # compressor kv + gate (overlapping: 2 x head_dim wide)
+        n += 2 * hid * cfg.compressor_width(CSA)  # compressor kv + gate (overlapping: 2 x head_dim wide)
         c, ni = cfg.index_head_dim, cfg.index_n_heads
-        n += lq * ni * c + hid * ni + 2 * hid * 2 * c  # indexer q_b, weights_proj, its compressor
+        # the indexer's q_b and weights_proj, and its compressor's kv + gate
+        n += lq * ni * c + hid * ni + 2 * hid * cfg.compressor_width(CSA, indexer=True)
     else:
-        n += 2 * hid * d
+        n += 2 * hid * cfg.compressor_width(HCA)
     return n
 
 

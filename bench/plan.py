@@ -122,7 +122,7 @@ def host_seconds(cfg, case: Case, mode: str, host_gflops: float, host_gbps: floa
         return 0.0  # in-graph or on the device
     s = case.prompt_len if case.scenario == "prefill" else 1
     b = case.batch
-    slots = case.max_seq_len // cfg.csa_compress_rate
+    slots = cfg.entry_slots(CSA, case.max_seq_len)
     gemm = moved = 0.0
     if case.layer == "csa":
         gemm += 2.0 * cfg.index_n_heads * cfg.index_head_dim * slots * s * b
@@ -132,9 +132,8 @@ def host_seconds(cfg, case: Case, mode: str, host_gflops: float, host_gbps: floa
         if case.layer == "csa":
             gemm += 2.0 * cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim * s * b
         # weights (~2/3 of them cross the break) and the cache, down and back up
-        ratio = cfg.csa_compress_rate if case.layer == "csa" else cfg.hca_compress_rate
         params = cfg.hidden_size * cfg.q_lora_rank + 3 * cfg.q_lora_rank * cfg.num_attention_heads * cfg.head_dim
-        cache = b * (case.max_seq_len // ratio) * (cfg.head_dim + cfg.index_head_dim)
+        cache = b * cfg.entry_slots(LAYER_NAMES[case.layer], case.max_seq_len) * (cfg.head_dim + cfg.index_head_dim)
         moved += 4.0 * (params + 2 * cache + 2 * s * b * cfg.num_attention_heads * cfg.head_dim)
     return gemm / (host_gflops * 1e9) + moved / (host_gbps * 1e9)
 

@@ -204,7 +204,7 @@ def base_record(args, env, cfg, case, mode, dtype_name) -> dict:
         "steps": case.steps_for(mode) if mode != PEER else case.steps,
         "repeats": case.repeats_for(mode) if mode != PEER else case.repeats,
         "max_seq_len": case.max_seq_len,
-        "entry_slots": case.max_seq_len // (cfg.csa_compress_rate if case.layer == "csa" else cfg.hca_compress_rate),
+        "entry_slots": cfg.entry_slots(layer_type, case.max_seq_len),
         "entries": entries, "top_k": top_k,
         "ttft_ms": None, "decode_ms_median": None, "decode_ms_p90": None, "prefill_ms": None, "compile_s": None,
         "max_abs_diff_vs_none": None, "picks_equal_vs_none": None, "host_breaks": None,

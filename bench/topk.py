@@ -100,7 +100,7 @@ def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: in
     keys = jnp.asarray(rng.standard_normal((unroll, batch, slots, dim)), dtype)
     visible = jnp.full((unroll, batch, 1), slots, jnp.int32)
     variants = {
-        "xla": lambda q, w, kk, v: indexer.select_topk(q, w, kk, v, top_k=k),
+        "xla": lambda q, w, kk, v: indexer.select_topk(q, w, kk, v, top_k=k).picks,
         "native-graph": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
         "native-eager": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=False)[0],
     }

@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx, struct
 
 from . import breaks, indexer, validation
-from .backend import Array, einsum
-from .cache import AttentionCache, CompressorCache, init_attention_cache
+from .backend import QUERY_BLOCK, Array, einsum
+from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache
 from .compressor import CompressorWeights, compress, project, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .indexer import IndexerWeights, head_weights, index_queries
@@ -124,7 +124,7 @@ class StepSpec:
     plan: breaks.BreakPlan
     dtype: Any  # compute dtype (jnp.dtype)
     precision: Any = None
-    query_block: int = 256
+    query_block: int = QUERY_BLOCK
     return_intermediates: bool = False
 
     @property
@@ -200,8 +200,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     visible = visible_entries(positions, spec.ratio)
     selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
                       top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
-    picks, scores = selected if spec.return_intermediates else (selected, None)
-    return out.replace(indexer=index_state, picks=picks, index_scores=scores)
+    return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 
 
 def stage_weights(weights: AttentionWeights) -> AttentionWeights:
@@ -266,21 +265,20 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
         block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
     )
-    o = attended[0] if spec.return_intermediates else attended
 
     # 6. Inverse RoPE at the query position, grouped low-rank output projection.
-    out = output_projection(o, positions, weights, spec)
+    out = output_projection(attended.o, positions, weights, spec)
 
-    new_cache = cache.replace(length=length + x.shape[1], window=stages.window,
+    new_length = advance_length(length, x.shape[1])
+    new_cache = cache.replace(length=new_length, window=stages.window,
                               compressor=stages.compressor, indexer=stages.indexer)
     intermediates = None
     if spec.return_intermediates:
-        _, sink_mass, window_mass, compressed_mass = attended
         intermediates = Intermediates(
-            queries=stages.q, keys=stages.kv, sink_mass=sink_mass, window_mass=window_mass,
-            compressed_mass=compressed_mass,
+            queries=stages.q, keys=stages.kv, sink_mass=attended.sink_mass, window_mass=attended.window_mass,
+            compressed_mass=attended.compressed_mass,
             index_scores=stages.index_scores, topk=stages.picks, compressed_kv=entries,
-            num_entries=None if entries is None else (length + x.shape[1]) // spec.ratio,
+            num_entries=None if entries is None else new_length // spec.ratio,
             visible_entries=visible,
         )
     return out, new_cache, intermediates
@@ -297,8 +295,27 @@ def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
     return einsum("bsr,rh->bsh", z, weights.o_b_proj, out_dtype=dtype, precision=spec.precision)
 
 
-_step = jax.jit(attention_step, static_argnames=("spec",))
-_step_donating = jax.jit(attention_step, static_argnames=("spec",), donate_argnames=("cache",))
+# The compiled steps, module-level so that equal layers share compiled code (`StepSpec` static).
+_STEPS = {
+    False: jax.jit(attention_step, static_argnames=("spec",)),
+    True: jax.jit(attention_step, static_argnames=("spec",), donate_argnames=("cache",)),
+}
+
+
+def step_function(donate: bool = False):
+    """The compiled `attention_step` the layer runs: ``step(weights, cache, x, positions, spec=spec)``.
+
+    `donate`: the version that donates the cache's buffers (``donate_cache=True``). Calling it
+    directly skips the layer's input checks and host length mirror (the returned cache's length
+    is the step's device array): the raw step, for benchmarks and tools.
+    """
+    return _STEPS[bool(donate)]
+
+
+def compiled_steps() -> int:
+    """How many versions of the layer's step have been compiled so far in this process (both
+    `step_function`s; each call shape, dtype and static option compiles one)."""
+    return sum(step._cache_size() for step in _STEPS.values())
 
 
 # ---------------------------------------------------------------------------- NNX modules
@@ -328,8 +345,7 @@ class Compressor(nnx.Module):
         self.kv_norm = nnx.Param(jnp.ones((dim,), jnp.float32))
 
     def weights(self) -> CompressorWeights:
-        return CompressorWeights(kv_proj=_array(self.kv_proj), gate_proj=_array(self.gate_proj),
-                                 position_bias=_array(self.position_bias), kv_norm=_array(self.kv_norm))
+        return _weights_of(self, CompressorWeights)
 
 
 class Indexer(nnx.Module):
@@ -339,12 +355,26 @@ class Indexer(nnx.Module):
         c = cfg.index_head_dim
         self.q_b_proj = _projection(rngs, (cfg.q_lora_rank, cfg.index_n_heads * c), param_dtype)
         self.weights_proj = _projection(rngs, (cfg.hidden_size, cfg.index_n_heads), param_dtype)
-        self.compressor = Compressor(cfg.hidden_size, 2 * c, c, cfg.csa_compress_rate, rngs=rngs,
-                                     param_dtype=param_dtype)
+        self.compressor = Compressor(cfg.hidden_size, cfg.compressor_width(CSA, indexer=True), c,
+                                     cfg.csa_compress_rate, rngs=rngs, param_dtype=param_dtype)
 
     def weights(self) -> IndexerWeights:
-        return IndexerWeights(q_b_proj=_array(self.q_b_proj), weights_proj=_array(self.weights_proj),
-                              compressor=self.compressor.weights())
+        return _weights_of(self, IndexerWeights)
+
+
+def _weights_of(module: nnx.Module, cls):
+    """`cls` (a weights pytree) filled from `module`'s attributes of the same names.
+
+    The parameters' names are the modules' attributes, set in the constructors: the one
+    source. The weights pytrees name the same attributes (a mismatch fails at once), and the
+    HF name table is derived from the same attributes (`weights.parameter_table`).
+    """
+    values = {}
+    for field in dataclasses.fields(cls):
+        value = getattr(module, field.name)
+        values[field.name] = (None if value is None else value.weights() if isinstance(value, nnx.Module)
+                              else _array(value))
+    return cls(**values)
 
 
 class DeepseekV4Attention(nnx.Module):
@@ -391,7 +421,8 @@ class DeepseekV4Attention(nnx.Module):
 
     def __init__(self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs,
                  break_mode: str = "narrow", break_on: str = "auto", kernels: str = "auto", dtype=None,
-                 param_dtype=jnp.float32, precision=None, query_block: int = 256, donate_cache: bool = False,
+                 param_dtype=jnp.float32, precision=None, query_block: int = QUERY_BLOCK,
+                 donate_cache: bool = False,
                  check_finite=None):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
@@ -421,11 +452,10 @@ class DeepseekV4Attention(nnx.Module):
         self.o_a_proj = _projection(rngs, (c.o_groups, h * d // c.o_groups, c.o_lora_rank), pd)
         self.o_b_proj = _projection(rngs, (c.o_groups * c.o_lora_rank, c.hidden_size), pd)
         self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
-        compressed = self.layer_type in (CSA, HCA)
-        width = 2 * d if self.layer_type == CSA else d
         self.compressor = (
-            Compressor(c.hidden_size, width, d, c.compress_rate(self.layer_type), rngs=rngs, param_dtype=pd)
-            if compressed else None
+            Compressor(c.hidden_size, c.compressor_width(self.layer_type), d, c.compress_rate(self.layer_type),
+                       rngs=rngs, param_dtype=pd)
+            if self.layer_type in (CSA, HCA) else None
         )
         self.indexer = Indexer(c, rngs=rngs, param_dtype=pd) if self.layer_type == CSA else None
 
@@ -441,13 +471,7 @@ class DeepseekV4Attention(nnx.Module):
 
     def weights(self) -> AttentionWeights:
         """The current parameters as an `AttentionWeights` pytree of arrays."""
-        return AttentionWeights(
-            q_a_proj=_array(self.q_a_proj), q_a_norm=_array(self.q_a_norm), q_b_proj=_array(self.q_b_proj),
-            kv_proj=_array(self.kv_proj), kv_norm=_array(self.kv_norm), o_a_proj=_array(self.o_a_proj),
-            o_b_proj=_array(self.o_b_proj), sinks=_array(self.sinks),
-            compressor=None if self.compressor is None else self.compressor.weights(),
-            indexer=None if self.indexer is None else self.indexer.weights(),
-        )
+        return _weights_of(self, AttentionWeights)
 
     def step_spec(self, hidden_dtype, return_intermediates: bool = False) -> StepSpec:
         """The static description of the compiled step this layer runs for such inputs."""
@@ -473,7 +497,7 @@ class DeepseekV4Attention(nnx.Module):
         user's `jax.jit`/`nnx.jit` it is traced.
         """
         spec, host_length = validation.check_call(self, hidden_states, positions, cache, return_intermediates)
-        step = _step_donating if self.donate_cache else _step
+        step = step_function(self.donate_cache)
         # The layer index is checked above and is no part of the computation: leave it out of
         # the compiled step's identity, so that layers of one type share one program.
         anonymous = cache.replace(layer_idx=-1)
@@ -481,8 +505,9 @@ class DeepseekV4Attention(nnx.Module):
             out, new_cache, intermediates = step(self.weights(), anonymous, hidden_states, positions, spec=spec)
         new_cache = new_cache.replace(layer_idx=cache.layer_idx)
         if host_length is not None:
-            # Host-side bookkeeping: the next call's checks need no device round trip.
-            new_cache = new_cache.replace(length=host_length + np.int32(hidden_states.shape[1]))
+            # The host mirror of the step's new length (see `dsv4_jax.cache`): the next call's
+            # checks need no device round trip.
+            new_cache = new_cache.replace(length=advance_length(host_length, hidden_states.shape[1]))
         if return_intermediates:
             return out, new_cache, intermediates
         return out, new_cache

@@ -100,6 +100,12 @@ def _np_top_k_stable(scores: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, axis=-1).astype(np.int32).reshape(*lead, k)
 
 
+# Queries processed at a time by the indexer scoring and sparse attention (the default of
+# `DeepseekV4Attention(query_block=...)` and of every blocked function): bounds the per-query
+# temporaries of long prefills, e.g. the indexer's [B, block, nI, T] float32 scores.
+QUERY_BLOCK = 256
+
+
 def map_query_blocks(fn: Callable[..., Any], per_query: Sequence[Array], shared: Sequence[Array], block: int):
     """Apply `fn(*per_query_block, *shared)` over blocks of the query axis (axis 1).
 

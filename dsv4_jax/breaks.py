@@ -60,7 +60,7 @@ import jax
 import numpy as np
 
 from . import indexer, native
-from .backend import map_query_blocks
+from .backend import QUERY_BLOCK, map_query_blocks
 from .config import CSA
 
 BREAK_MODES = ("none", "narrow", "wide")
@@ -249,14 +249,18 @@ def wide_host_call(fn: Callable[..., Any], *args):
     return call(*args)
 
 
-def _select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False, block=indexer.SCORE_BLOCK):
-    """The narrow host break: `indexer.select_topk` in NumPy, inputs cut from differentiation."""
+def _select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False,
+                    block=QUERY_BLOCK) -> indexer.Selection:
+    """The narrow host break: `indexer.select_topk` in NumPy, inputs cut from differentiation.
+
+    Its `Selection` crosses back whole; without `with_scores` its scores are None, a pytree
+    node without leaves, so only the int32 picks come back from the host."""
     fn = functools.partial(indexer.select_topk, top_k=top_k, with_scores=with_scores, block=block)
     return host_call(fn, *jax.lax.stop_gradient((queries, weights, keys)), visible)
 
 
-def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=indexer.SCORE_BLOCK,
-                   graph: bool):
+def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
+                   graph: bool) -> indexer.Selection:
     """The native selection, blocked over queries like `indexer.select_topk` (bounds the
     [B, block, T] scores of long prefills); the eager break unless `graph`."""
 
@@ -264,7 +268,7 @@ def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False,
         picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph)
         if with_scores and graph:  # break_mode="none": differentiable like the XLA scores (indexer_kl_loss)
             scores = _scores_with_gradient(scores, q, w, k, vis)
-        return (picks, scores) if with_scores else picks
+        return indexer.Selection(picks, scores if with_scores else None)
 
     return map_query_blocks(select_block, (queries, weights, visible), (keys,), block)
 

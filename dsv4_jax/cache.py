@@ -4,20 +4,25 @@ Unlike HF's DynamicCache (which grows by concatenation and so cannot be compiled
 field here has a shape fixed at `init_cache` time, so a whole prefill or decode step
 compiles into one XLA program, and decode steps reuse it.
 
-Layout for a batch of B rows, window W, compress ratio m, T = max_seq_len // m entries:
+Layout for a batch of B rows, window W, compress ratio m, T = `cfg.entry_slots` entries
+(``max_seq_len // m``, at least one):
 
 ==================  ====================  ===============================================
 field               shape                 meaning
 ==================  ====================  ===============================================
-length              [B] int32             tokens seen per row (host NumPy when possible)
+length              [B] int32             tokens seen per row (a host mirror when eager)
 window              [B, W, D]             rotated K=V of the last W tokens, slot p % W
 compressor          CompressorCache       CSA/HCA layers: compressed KV entries + state
 indexer             CompressorCache       CSA layers: the indexer's own key compressor
 ==================  ====================  ===============================================
 
-`length` is kept as a host (NumPy) array by the layer's eager call path: the checks that
-need its value (positions continue the cache, room is left) run before dispatch, without
-a device round trip, and a rejected call never touches the device state.
+Who owns `length`: the step. `attention_step` returns the new length,
+``advance_length(length, S)``, like every other field of the cache. The layer's eager call
+path keeps a **host mirror** instead of that device value: the length it checked on the host
+before dispatch, advanced by the same `advance_length` after the step ran. So the checks
+that need its value (positions continue the cache, room is left) run without a device round
+trip, and a rejected call never touches the device state. Under a user's `jax.jit` there is
+no mirror: the length is the step's (a tracer).
 """
 
 from __future__ import annotations
@@ -74,8 +79,15 @@ class AttentionCache:
         return self.window.dtype
 
 
-def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, overlap: bool, dtype) -> CompressorCache:
-    width = 2 * dim if overlap else dim
+def advance_length(length: Array, new_tokens: int) -> Array:
+    """`length` after a call of `new_tokens` tokens per row: the one rule, applied in the step
+    (to the device length it returns) and by the eager call path (to its host mirror)."""
+    return length + np.int32(new_tokens)
+
+
+def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,
+                          dtype) -> CompressorCache:
+    """An empty compressor state: `entries` slots of `dim`, buffers `width` (= n*dim) wide."""
     return CompressorCache(
         entries=jnp.zeros((batch, entries, dim), dtype),
         buffer_kv=jnp.zeros((batch, ratio, width), dtype),
@@ -98,14 +110,15 @@ def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int,
     compressor = indexer = None
     if layer_type in (CSA, HCA):
         ratio = cfg.compress_rate(layer_type)
-        # At least one slot, so that gathers never index an empty axis; unused slots are masked.
-        entry_slots = max(1, max_seq_len // ratio)
+        entry_slots = cfg.entry_slots(layer_type, max_seq_len)
         compressor = init_compressor_cache(
-            batch_size, entry_slots, ratio, cfg.head_dim, overlap=layer_type == CSA, dtype=dtype
+            batch_size, entry_slots, ratio, cfg.head_dim, cfg.compressor_width(layer_type),
+            overlap=layer_type == CSA, dtype=dtype,
         )
         if layer_type == CSA:
             indexer = init_compressor_cache(
-                batch_size, entry_slots, ratio, cfg.index_head_dim, overlap=True, dtype=dtype
+                batch_size, entry_slots, ratio, cfg.index_head_dim, cfg.compressor_width(CSA, indexer=True),
+                overlap=True, dtype=dtype,
             )
     return AttentionCache(
         length=np.zeros((batch_size,), np.int32),

@@ -157,6 +157,27 @@ class DeepseekV4Config:
         """Tokens per compressed entry: 0 for sliding layers, m for CSA, m' for HCA."""
         return {SLIDING: 0, CSA: self.csa_compress_rate, HCA: self.hca_compress_rate}[layer_type]
 
+    def compressor_width(self, layer_type: str, *, indexer: bool = False) -> int:
+        """Width ``n*Dc`` of a compressor's kv/gate projections, position bias and buffers.
+
+        CSA's overlapping layout projects two series ``[Ca | Cb]`` (twice the entry width,
+        n = 2), HCA one (n = 1). Entries are ``head_dim`` wide; with `indexer` (CSA only) it is
+        the indexer's key compressor, whose entries are ``index_head_dim`` wide. The one owner
+        of this size: the layer's parameters, its cache and the HF weight shapes use it.
+        """
+        if layer_type not in (CSA, HCA) or (indexer and layer_type != CSA):
+            what = "an indexer" if indexer else "a compressor"
+            raise ValueError(f"layer_type: {layer_type!r} has no {what}")
+        dim = self.index_head_dim if indexer else self.head_dim
+        return 2 * dim if layer_type == CSA else dim
+
+    def entry_slots(self, layer_type: str, max_seq_len: int) -> int:
+        """Compressed-entry slots T of a cache of `max_seq_len` tokens: ``max_seq_len // m``,
+        at least one (so that gathers never index an empty axis; unused slots are masked)."""
+        if layer_type not in (CSA, HCA):
+            raise ValueError(f"layer_type: {layer_type!r} has no compressed entries")
+        return max(1, int(max_seq_len) // self.compress_rate(layer_type))
+
     @staticmethod
     def rope_kind(layer_type: str) -> str:
         """"main" (theta 10000, plain) for sliding layers, "compress" (YaRN) for CSA/HCA."""

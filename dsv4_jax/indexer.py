@@ -9,8 +9,9 @@ Contract of `select_topk` (the function the host break calls):
 * causality: only entries with ``w < (t + 1) // m`` (completed windows) are candidates;
 * order: descending score, **equal scores to the lower entry index** (the reference rule;
   `lax.top_k` is stable and the NumPy twin matches it; -0.0 is folded into +0.0 first);
-* output: int32 ``[B, S, index_topk]``, valid picks first, then -1 for "nothing"
-  (a query with fewer than index_topk visible entries, or an empty cache).
+* output: a `Selection`: int32 picks ``[B, S, index_topk]``, valid picks first, then -1 for
+  "nothing" (a query with fewer than index_topk visible entries, or an empty cache), and the
+  float32 scores ``[B, S, T]`` when asked for (else None: the type never changes with the flag).
 
 The same functions run under XLA (in-graph, ``break_mode="none"``) and under NumPy inside a
 `jax.pure_callback` (the host break, see `breaks`). Scoring is blocked over queries so that
@@ -19,15 +20,27 @@ the per-head temporary [B, block, nI, T] stays bounded on long prefills.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from flax import struct
 
-from .backend import Array, einsum, map_query_blocks, namespace, top_k_stable
+from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, namespace, top_k_stable
 from .compressor import CompressorWeights
 from .rope import apply_rope
 
-# Queries scored at a time by default; bounds the [B, block, nI, T] float32 temporary.
-SCORE_BLOCK = 256
+
+class Selection(NamedTuple):
+    """What every indexer selection returns (`select_topk`, the breaks, the native handler).
+
+    picks:  int32 [B, S, top_k], descending score, -1 = nothing
+    scores: float32 [B, S, T], -inf where not visible; None unless asked for (`with_scores`)
+
+    A pytree: a None field has no leaves, so a host break returns only the picks.
+    """
+
+    picks: Array
+    scores: Array | None = None
 
 
 @struct.dataclass
@@ -69,7 +82,7 @@ def _block_scores(queries: Array, weights: Array, visible: Array, keys: Array) -
     return xp.where(seen, s, np.float32(-np.inf))
 
 
-def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *, block: int = SCORE_BLOCK) -> Array:
+def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *, block: int = QUERY_BLOCK) -> Array:
     """Indexer scores, float32 [B, S, T]; entries a query may not see are -inf.
 
     queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c], visible int [B, S].
@@ -90,17 +103,17 @@ def picks_from_scores(scores: Array, visible: Array, top_k: int) -> Array:
 
 
 def select_topk(queries: Array, weights: Array, keys: Array, visible: Array, *, top_k: int,
-                with_scores: bool = False, block: int = SCORE_BLOCK):
+                with_scores: bool = False, block: int = QUERY_BLOCK) -> Selection:
     """The indexer's selection: scores, then stable top-k with -1 padding (module contract).
 
     queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c], visible int32 [B, S]
-    -> picks int32 [B, S, top_k] (and the scores float32 [B, S, T] if `with_scores`).
-    Blocked over queries: only [B, block, nI, T] exists at a time.
+    -> `Selection(picks int32 [B, S, top_k], scores float32 [B, S, T] or None)`; the scores
+    are returned only if `with_scores`. Blocked over queries: only [B, block, nI, T] exists
+    at a time.
     """
 
     def select_block(q, w, vis, k):
         scores = _block_scores(q, w, vis, k)
-        picks = picks_from_scores(scores, vis, top_k)
-        return (picks, scores) if with_scores else picks
+        return Selection(picks_from_scores(scores, vis, top_k), scores if with_scores else None)
 
     return map_query_blocks(select_block, (queries, weights, visible), (keys,), block)

@@ -18,10 +18,29 @@ and the weighted sum accumulates in float32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 
-from .backend import Array, einsum, map_query_blocks, scatter_rows
+from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, scatter_rows
+
+
+class AttentionOutput(NamedTuple):
+    """What `sparse_attention` returns: the output, and the attention masses when asked for.
+
+    o               [B, S, H, D]       the attention output (compute dtype)
+    sink_mass       [B, S, H] float32  share of each query's attention on the sink
+    window_mass     [B, S, H] float32  ... on its window keys
+    compressed_mass [B, S, H] float32  ... on compressed entries (0 without entries)
+
+    The masses are None unless `with_mass` (the type never changes with the flag).
+    """
+
+    o: Array
+    sink_mass: Array | None = None
+    window_mass: Array | None = None
+    compressed_mass: Array | None = None
 
 
 def window_indices(positions: Array, length: Array, window: int) -> Array:
@@ -57,10 +76,10 @@ def sparse_attention(
     entries: Array | None = None,
     picks: Array | None = None,
     visible: Array | None = None,
-    block: int = 256,
+    block: int = QUERY_BLOCK,
     precision=None,
     with_mass: bool = False,
-):
+) -> AttentionOutput:
     """Attention of each query over its window keys and its compressed entries, with sinks.
 
     q          [B, S, H, D]  rotated, normed queries (compute dtype)
@@ -70,8 +89,9 @@ def sparse_attention(
     entries    [B, T, D]     compressed entries (CSA/HCA), or None (sliding)
     picks      [B, S, K]     CSA: entry indices to attend, -1 = nothing
     visible    [B, S]        HCA: entries ``w < visible`` are all attended
-    returns    o [B, S, H, D] (and, if `with_mass`, the share of each query's attention
-               on the sink, the window and the compressed entries, each float32 [B, S, H])
+    returns    `AttentionOutput`: o [B, S, H, D] and, if `with_mass`, the share of each
+               query's attention on the sink, the window and the compressed entries (each
+               float32 [B, S, H]; None otherwise)
     """
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5
@@ -114,9 +134,9 @@ def sparse_attention(
             start += lg.shape[-1]
         out = out.astype(dtype)
         if not with_mass:
-            return out
+            return AttentionOutput(out)
         compressed_mass = masses[1] if len(masses) > 1 else jnp.zeros_like(masses[0])
-        return out, (e_sink / denom)[..., 0], masses[0], compressed_mass
+        return AttentionOutput(out, (e_sink / denom)[..., 0], masses[0], compressed_mass)
 
     return map_query_blocks(block_fn, (q, window_idx, selection), (pool, sinks, entries), block)
 

@@ -84,8 +84,7 @@ def check_cache(attn, cache: Any) -> None:
                 f"{attn.layer_type} layer, got {'a state' if present else 'None'}"
             )
     if cache.compressor is not None:
-        ratio = cfg.compress_rate(attn.layer_type)
-        want = max(1, cache.max_seq_len // ratio)
+        want = cfg.entry_slots(attn.layer_type, cache.max_seq_len)
         if cache.compressor.entries.shape[1:] != (want, cfg.head_dim):
             raise ValueError(
                 f"cache.compressor.entries: expected shape [B, {want}, {cfg.head_dim}], got "
@@ -94,7 +93,11 @@ def check_cache(attn, cache: Any) -> None:
 
 
 def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_intermediates: bool):
-    """Validate one call; returns (the StepSpec to run, host copy of cache.length or None)."""
+    """Validate one call; returns (the StepSpec to run, the length it checked or None).
+
+    The length is the host value the checks ran against (int32 NumPy); the caller's host mirror
+    of the new length is `cache.advance_length` of it (see `dsv4_jax.cache`). None while
+    tracing (the length is then the step's own)."""
     cfg = attn.config
     h_shape, h_dtype = _shape_dtype("hidden_states", hidden_states)
     if not jnp.issubdtype(h_dtype, jnp.floating):

@@ -7,6 +7,9 @@ projection ``o_a_proj.weight [G*R, H*D/G]`` becomes ``[G, H*D/G, R]``.
 Projections take the layer's `param_dtype`; norm weights, sinks and position biases stay
 float32 (what HF's loader keeps in float32 for a bf16 model, spec section 11.4).
 
+The names have one source, the layer's attributes (its constructors): `parameter_table` and
+`expected_shapes` derive the HF names (`hf_name`), shapes and layouts from them.
+
 There is one strict check (`check_weight_shapes`): `load_hf_attention_weights` (in-memory
 mappings) and `load_attention_checkpoint` (safetensors files, see `checkpoint`) both go
 through it, so both list every missing, unknown and mis-shaped tensor in one `ValueError`
@@ -15,38 +18,20 @@ and load nothing unless everything fits.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from .config import CSA, HCA, DeepseekV4Config
+from .attention import DeepseekV4Attention
+from .config import DeepseekV4Config
 
 _PREFIX = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")
-
-# HF name -> attribute path of the parameter inside `DeepseekV4Attention`.
-_PARAM_PATHS = {
-    "q_a_proj.weight": ("q_a_proj",),
-    "q_a_norm.weight": ("q_a_norm",),
-    "q_b_proj.weight": ("q_b_proj",),
-    "kv_proj.weight": ("kv_proj",),
-    "kv_norm.weight": ("kv_norm",),
-    "o_a_proj.weight": ("o_a_proj",),
-    "o_b_proj.weight": ("o_b_proj",),
-    "sinks": ("sinks",),
-    "compressor.kv_proj.weight": ("compressor", "kv_proj"),
-    "compressor.gate_proj.weight": ("compressor", "gate_proj"),
-    "compressor.position_bias": ("compressor", "position_bias"),
-    "compressor.kv_norm.weight": ("compressor", "kv_norm"),
-    "compressor.indexer.kv_proj.weight": ("indexer", "compressor", "kv_proj"),
-    "compressor.indexer.gate_proj.weight": ("indexer", "compressor", "gate_proj"),
-    "compressor.indexer.position_bias": ("indexer", "compressor", "position_bias"),
-    "compressor.indexer.kv_norm.weight": ("indexer", "compressor", "kv_norm"),
-    "compressor.indexer.q_b_proj.weight": ("indexer", "q_b_proj"),
-    "compressor.indexer.scorer.weights_proj.weight": ("indexer", "weights_proj"),
-}
 
 # Presets tried when shapes do not fit, to say which published model a checkpoint belongs to.
 _PRESETS: tuple[tuple[str, Callable[[], DeepseekV4Config]], ...] = (
@@ -56,50 +41,86 @@ _PRESETS: tuple[tuple[str, Callable[[], DeepseekV4Config]], ...] = (
 )
 
 
+def hf_name(path: tuple[str, ...]) -> str:
+    """HF's state_dict name of the parameter at attribute path `path` of `DeepseekV4Attention`.
+
+    The one naming rule: the layer's attributes (set in its constructors) are the source of the
+    names, the HF table is derived. HF nests the indexer inside the compressor
+    (``compressor.indexer.*``, its head weights under ``scorer.``, its key compressor's
+    parameters directly), and names linear and norm weights ``<module>.weight``; ``sinks`` and
+    ``position_bias`` are bare tensors.
+    """
+    if path[0] == "indexer":
+        rest = path[1:]
+        if rest[0] == "compressor":
+            rest = rest[1:]
+        elif rest[0] == "weights_proj":
+            rest = ("scorer", *rest)
+        path = ("compressor", "indexer", *rest)
+    bare = path[-1] in ("sinks", "position_bias")
+    return ".".join(path) + ("" if bare else ".weight")
+
+
+def _kind(path: tuple[str, ...], ndim: int) -> str:
+    """linear ([in, out] kernel, HF [out, in]), grouped (``o_a_proj`` [G, in_g, R]) or fp32."""
+    if not path[-1].endswith("_proj"):
+        return "fp32"  # norm weights, sinks, position biases: float32 in every param_dtype
+    return "grouped" if ndim == 3 else "linear"
+
+
+def _hf_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
+    if kind == "linear":
+        return shape[::-1]
+    if kind == "grouped":  # [G, in_g, R] -> [G*R, in_g]
+        return (shape[0] * shape[2], shape[1])
+    return shape
+
+
+def _parameters(module, prefix: tuple[str, ...] = ()):
+    """(attribute path, Param) of every parameter of an NNX module (and its submodules)."""
+    for attr, value in vars(module).items():
+        if attr.startswith("_"):
+            continue
+        if isinstance(value, nnx.Param):
+            yield (*prefix, attr), value
+        elif isinstance(value, nnx.Module):
+            yield from _parameters(value, (*prefix, attr))
+
+
+def _value(param):
+    """A Param's array, or its `jax.ShapeDtypeStruct` in an abstract (`nnx.eval_shape`) layer."""
+    return param.get_value() if hasattr(param, "get_value") else param.value
+
+
+def parameter_table(attn) -> dict[str, tuple[Any, tuple[int, ...], str]]:
+    """HF name -> (the layer's Param, the HF shape, kind) with kind in linear/grouped/fp32.
+
+    Derived from the layer's own parameters (`hf_name`, `_kind`): nothing here lists them."""
+    table = {}
+    for path, param in _parameters(attn):
+        shape = tuple(int(n) for n in _value(param).shape)
+        kind = _kind(path, len(shape))
+        table[hf_name(path)] = (param, _hf_shape(shape, kind), kind)
+    return dict(sorted(table.items()))
+
+
 def expected_shapes(cfg: DeepseekV4Config, layer_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """HF name -> (shape in PyTorch layout, kind) of one attention layer of `layer_type`.
 
     kind is ``linear`` ([out, in] projection), ``grouped`` (``o_a_proj``) or ``fp32`` (norms,
-    sinks, position biases). Needs no layer object, so it also describes the presets.
+    sinks, position biases). Needs no layer object, so it also describes the presets: the
+    table of an abstract layer (`nnx.eval_shape`, nothing allocated), cached per config.
     """
-    h, d, lq, hid = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hidden_size
-    g, r = cfg.o_groups, cfg.o_lora_rank
-    table = {
-        "q_a_proj.weight": ((lq, hid), "linear"),
-        "q_a_norm.weight": ((lq,), "fp32"),
-        "q_b_proj.weight": ((h * d, lq), "linear"),
-        "kv_proj.weight": ((d, hid), "linear"),
-        "kv_norm.weight": ((d,), "fp32"),
-        "o_a_proj.weight": ((g * r, h * d // g), "grouped"),
-        "o_b_proj.weight": ((hid, g * r), "linear"),
-        "sinks": ((h,), "fp32"),
-    }
-
-    def compressor(prefix, width, dim, ratio):
-        table[f"{prefix}.kv_proj.weight"] = ((width, hid), "linear")
-        table[f"{prefix}.gate_proj.weight"] = ((width, hid), "linear")
-        table[f"{prefix}.position_bias"] = ((ratio, width), "fp32")
-        table[f"{prefix}.kv_norm.weight"] = ((dim,), "fp32")
-
-    if layer_type in (CSA, HCA):
-        compressor("compressor", 2 * d if layer_type == CSA else d, d, cfg.compress_rate(layer_type))
-    if layer_type == CSA:
-        c, ni = cfg.index_head_dim, cfg.index_n_heads
-        compressor("compressor.indexer", 2 * c, c, cfg.csa_compress_rate)
-        table["compressor.indexer.q_b_proj.weight"] = ((ni * c, lq), "linear")
-        table["compressor.indexer.scorer.weights_proj.weight"] = ((ni, hid), "linear")
-    return table
+    return dict(_abstract_table(cfg, layer_type))
 
 
-def parameter_table(attn) -> dict[str, tuple[Any, tuple[int, ...], str]]:
-    """HF name -> (the layer's Param, the HF shape, kind) with kind in linear/grouped/fp32."""
-    table = {}
-    for name, (shape, kind) in expected_shapes(attn.config, attn.layer_type).items():
-        param = attn
-        for attr in _PARAM_PATHS[name]:
-            param = getattr(param, attr)
-        table[name] = (param, shape, kind)
-    return table
+@functools.cache
+def _abstract_table(cfg: DeepseekV4Config, layer_type: str) -> tuple[tuple[str, tuple[tuple[int, ...], str]], ...]:
+    if layer_type not in cfg.layer_types:  # a config without such a layer: one of that type alone
+        cfg = dataclasses.replace(cfg, layer_types=(layer_type,))
+    layer_idx = cfg.layer_types.index(layer_type)
+    abstract = nnx.eval_shape(lambda: DeepseekV4Attention(cfg, layer_idx, rngs=nnx.Rngs(0)))
+    return tuple((name, (shape, kind)) for name, (_, shape, kind) in parameter_table(abstract).items())
 
 
 def _to_numpy(value: Any, name: str) -> np.ndarray:

@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import EXECUTIONS, execution, golden_layer, pad_picks, random_layer, rel_err, run_schedule
 
 import dsv4_jax
-from dsv4_jax.attention import _step
+from dsv4_jax.attention import compiled_steps
 
 MODES = tuple(EXECUTIONS)  # none (XLA reference), none-native, narrow-host, narrow-device, wide
 TOL = 2e-5
@@ -241,14 +241,14 @@ def test_decode_steps_reuse_one_compiled_step():
     attn = random_layer(cfg, 1, seed=1)
     x = np.random.default_rng(1).normal(size=(1, 30, cfg.hidden_size)).astype(np.float32)
     cache = attn.init_cache(1, 30)
-    before = _step._cache_size()
+    before = compiled_steps()
     attn(jnp.asarray(x[:, :10]), np.arange(10, dtype=np.int32)[None], cache)  # compile: prefill
     _, cache = attn(jnp.asarray(x[:, :10]), np.arange(10, dtype=np.int32)[None], cache)
-    after_prefill = _step._cache_size()
+    after_prefill = compiled_steps()
     for t in range(10, 30):
         _out, cache = attn(jnp.asarray(x[:, t:t + 1]), np.array([[t]], np.int32), cache)
     assert after_prefill - before == 1
-    assert _step._cache_size() - after_prefill == 1  # one decode step compiled, 20 calls
+    assert compiled_steps() - after_prefill == 1  # one decode step compiled, 20 calls
 
 
 def test_works_inside_a_users_nnx_jit(long_input, runs):

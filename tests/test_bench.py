@@ -67,7 +67,7 @@ def test_bench_modes_agree(bench_run):
         assert records[mode]["max_abs_diff_vs_none"] <= 1e-5, records[mode]
         assert records[mode]["picks_set_overlap_vs_none"] == 1.0
     place = {"none": None, "none-xla": None, "narrow": "host", "narrow-device": "device", "wide": "host"}
-    for mode in compared + ["none"]:
+    for mode in [*compared, "none"]:
         assert records[mode]["break_on"] == place[mode], records[mode]
     assert records["none"]["native_select"] == native_built and records["none-xla"]["native_select"] is False
     # One host callback per call in the CSA step of the host breaks; none in the device break.

@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from dsv4_jax import AttentionCache, DeepseekV4Attention, DeepseekV4Config
+from dsv4_jax.attention import step_function
 from dsv4_jax.cache import cache_nbytes
 
 
@@ -44,3 +45,21 @@ def test_size_is_linear_in_max_seq_len():
     per_token = (large - small) / 4096
     # CSA: one 512-wide and one 128-wide entry per 4 tokens, bf16 -> (512 + 128) * 2 / 4 bytes/token
     assert per_token == (512 + 128) * 2 / 4
+
+
+def test_length_is_the_steps_and_the_eager_call_keeps_a_host_mirror():
+    """One owner of `length`: the step returns it; the eager call replaces that device value by a
+    host NumPy mirror (advanced by the same rule), equal to it, so the next call's checks need no
+    device round trip."""
+    cfg = DeepseekV4Config.tiny()
+    attn = DeepseekV4Attention(cfg, 0, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).normal(size=(2, 5, cfg.hidden_size)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5))
+    cache = attn.init_cache(2, 16)
+    _, eager = attn(x, pos, cache)
+    _, stepped, _ = step_function(False)(attn.weights(), cache, x, pos, spec=attn.step_spec(x.dtype))
+    assert isinstance(eager.length, np.ndarray) and eager.length.dtype == np.int32
+    assert isinstance(stepped.length, jax.Array) and eager.length.tolist() == [5, 5]
+    np.testing.assert_array_equal(eager.length, np.asarray(stepped.length))
+    _, again = attn(x, pos + 5, eager)  # the mirror is what the next call checks against
+    assert isinstance(again.length, np.ndarray) and again.length.tolist() == [10, 10]

@@ -47,7 +47,7 @@ def test_streaming_matches_one_shot_oracle(xp, m, overlap):
     norm_w = (1 + 0.3 * rng.normal(size=dim)).astype(np.float32)
     freqs = np.array([0.9, 0.3, 0.01], np.float32)
     kw = dict(position_bias=bias, kv_norm=norm_w, ratio=m, overlap=overlap, freqs=freqs, rope_scale=1.0, eps=1e-6)
-    state = init_compressor_cache(2, total // m, m, dim, overlap, jnp.float32)
+    state = init_compressor_cache(2, total // m, m, dim, width, overlap, jnp.float32)
     if xp == "numpy":
         state = jax.tree.map(np.asarray, state)
         fn = compress

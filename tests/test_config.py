@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 
 import jax
 import pytest
 
-from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
+from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Attention, DeepseekV4Config, YarnScaling, breaks, indexer
+from dsv4_jax.attention import StepSpec
+from dsv4_jax.backend import QUERY_BLOCK
+from dsv4_jax.sparse_attention import sparse_attention
 
 # The attention part of DeepSeek-V4-Flash's hub config.json (spec section 1).
 FLASH_HUB = {
@@ -79,6 +83,30 @@ def test_per_layer_helpers():
     assert [cfg.rope_kind(t) for t in cfg.layer_types] == ["main", "compress", "compress"]
     with pytest.raises(ValueError, match="layer_idx"):
         cfg.layer_type(3)
+
+
+def test_sizes_derived_from_the_config():
+    """One owner per derived size: the compressor width and the entry slots (config methods),
+    the query block (`backend.QUERY_BLOCK`, the default of every blocked function)."""
+    cfg = DeepseekV4Config.tiny()  # head_dim 32, index_head_dim 16, ratios 4 (CSA) / 8 (HCA)
+    assert cfg.compressor_width(CSA) == 64 and cfg.compressor_width(HCA) == 32
+    assert cfg.compressor_width(CSA, indexer=True) == 32
+    assert (cfg.entry_slots(CSA, 37), cfg.entry_slots(HCA, 37), cfg.entry_slots(HCA, 5)) == (9, 4, 1)
+    for wrong in (lambda: cfg.compressor_width(SLIDING), lambda: cfg.compressor_width(HCA, indexer=True),
+                  lambda: cfg.entry_slots(SLIDING, 8)):
+        with pytest.raises(ValueError, match="layer_type"):
+            wrong()
+    layer_init = inspect.signature(DeepseekV4Attention.__init__)
+    defaults = {
+        "DeepseekV4Attention(query_block)": layer_init.parameters["query_block"].default,
+        "StepSpec.query_block": StepSpec.__dataclass_fields__["query_block"].default,
+        "select_topk(block)": inspect.signature(indexer.select_topk).parameters["block"].default,
+        "index_scores(block)": inspect.signature(indexer.index_scores).parameters["block"].default,
+        "sparse_attention(block)": inspect.signature(sparse_attention).parameters["block"].default,
+        "_select_on_host(block)": inspect.signature(breaks._select_on_host).parameters["block"].default,
+        "_select_native(block)": inspect.signature(breaks._select_native).parameters["block"].default,
+    }
+    assert defaults == dict.fromkeys(defaults, QUERY_BLOCK) and QUERY_BLOCK == 256
 
 
 def test_equal_configs_share_one_compiled_step():

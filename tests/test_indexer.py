@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax.backend import top_k_stable
-from dsv4_jax.indexer import index_scores, picks_from_scores, select_topk
+from dsv4_jax.indexer import Selection, index_scores, picks_from_scores, select_topk
 
 
 def loop_oracle(q, w, keys, visible, top_k):
@@ -38,8 +38,8 @@ def random_inputs(seed, b=2, s=7, nh=4, c=8, t=12):
 def test_picks_match_an_independent_oracle(seed):
     q, w, keys, visible = random_inputs(seed)
     want = loop_oracle(q, w, keys, visible, 5)
-    np.testing.assert_array_equal(select_topk(q, w, keys, visible, top_k=5), want)  # NumPy twin
-    got = select_topk(jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys), jnp.asarray(visible), top_k=5)
+    np.testing.assert_array_equal(select_topk(q, w, keys, visible, top_k=5).picks, want)  # NumPy twin
+    got = select_topk(jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys), jnp.asarray(visible), top_k=5).picks
     np.testing.assert_array_equal(np.asarray(got), want)  # XLA
 
 
@@ -60,14 +60,14 @@ def test_ties_go_to_the_lower_index_and_negative_zero_is_zero():
     for xp in (np, jnp):
         scores = np.asarray(index_scores(*(xp.asarray(a) for a in (q, w, keys, visible))))
         assert not np.signbit(scores[0, 0, 1:]).any()  # entries 1-3 score exactly +0.0
-        picks = np.asarray(select_topk(*(xp.asarray(a) for a in (q, w, keys, visible)), top_k=3))
+        picks = np.asarray(select_topk(*(xp.asarray(a) for a in (q, w, keys, visible)), top_k=3).picks)
         assert picks[0, 0].tolist() == [1, 2, 3]  # entry 0 scores -4: last
 
 
 def test_causality_and_padding():
     q, w, keys, _ = random_inputs(5, s=9, t=6)
     visible = np.array([[0, 1, 2, 3, 4, 5, 6, 6, 6]] * 2, np.int32)
-    picks = select_topk(q, w, keys, visible, top_k=4)
+    picks = select_topk(q, w, keys, visible, top_k=4).picks
     for t in range(9):
         valid = picks[:, t][picks[:, t] >= 0].reshape(2, -1)
         assert valid.shape[1] == min(4, visible[0, t])
@@ -85,5 +85,19 @@ def test_blocked_scoring_equals_unblocked():
     whole = select_topk(q, w, keys, visible, top_k=5, with_scores=True)
     for xp in (np, jnp):
         blocked = select_topk(*(xp.asarray(a) for a in (q, w, keys, visible)), top_k=5, with_scores=True, block=4)
-        np.testing.assert_array_equal(np.asarray(blocked[0]), whole[0])
-        np.testing.assert_allclose(np.asarray(blocked[1]), whole[1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(blocked.picks), whole.picks)
+        np.testing.assert_allclose(np.asarray(blocked.scores), whole.scores, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [256, 4])
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_selection_has_one_type_with_or_without_scores(xp, block):
+    """`select_topk` returns a `Selection` either way: the flag only fills or empties `scores`
+    (one and several query blocks, both namespaces), and the picks do not depend on it."""
+    args = [xp.asarray(a) for a in random_inputs(2, s=9)]
+    bare = select_topk(*args, top_k=5, block=block)
+    full = select_topk(*args, top_k=5, with_scores=True, block=block)
+    assert type(bare) is Selection and type(full) is Selection
+    assert bare.scores is None and full.scores.shape == (2, 9, 12) and full.scores.dtype == np.float32
+    assert bare.picks.shape == (2, 9, 5) and bare.picks.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(bare.picks), np.asarray(full.picks))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax.sparse_attention import insert_window, sparse_attention, window_indices
+from dsv4_jax.sparse_attention import AttentionOutput, insert_window, sparse_attention, window_indices
 
 
 def dense_reference(q, keys, allowed, sinks):
@@ -76,3 +76,9 @@ def test_matches_dense_masked_attention(kind, block):
     np.testing.assert_allclose(total, 1.0, rtol=1e-5)
     if kind == "sliding":
         assert not np.asarray(compressed_mass).any()
+    # Without the masses: the same output in the same type, the masses None.
+    bare = sparse_attention(jnp.asarray(q), jnp.asarray(pool), jnp.asarray(widx), jnp.asarray(sinks), block=block,
+                            **kwargs)
+    assert type(bare) is AttentionOutput
+    assert bare.sink_mass is None and bare.window_mass is None and bare.compressed_mass is None
+    np.testing.assert_array_equal(np.asarray(bare.o), np.asarray(out))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from flax import nnx
 from helpers import golden_layer
 
 from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Attention, load_hf_attention_weights
-from dsv4_jax.weights import export_hf_attention_weights
+from dsv4_jax.weights import expected_shapes, export_hf_attention_weights
 
 # HF `DeepseekV4Attention.state_dict()` name -> (the layer's parameter, layout), written from the
 # spec (section 11) and the layer's docstring, independently of dsv4_jax.weights. Layouts: "T",
@@ -56,6 +57,22 @@ def test_load_puts_each_hf_tensor_in_its_parameter(small):
     # The recorded files hold HF's own state_dict names: the names LAYOUT knows, per layer type.
     for layer in range(3):
         assert_holds_in_jax_layout(golden_layer(small, layer), small.weights(layer))
+
+
+def test_expected_shapes_are_hfs_for_every_layer_type(small):
+    """The HF table is derived from the layer's parameters; it must name and shape exactly what
+    HF's own state_dict holds (the recorded files), per layer type, also for a config that
+    lacks the layer type (then an abstract layer of that type alone is described)."""
+    for layer, layer_type in enumerate(small.cfg.layer_types):
+        hf = {name: value.shape for name, value in small.weights(layer).items()}
+        table = expected_shapes(small.cfg, layer_type)
+        assert sorted(table) == sorted(LAYOUT[layer_type])
+        assert {name: shape for name, (shape, _) in table.items()} == hf
+        assert {name: kind for name, (_, kind) in table.items()} == {
+            name: {"T": "linear", "grouped": "grouped", "=": "fp32"}[layout]
+            for name, (_, layout) in LAYOUT[layer_type].items()}
+        alone = dataclasses.replace(small.cfg, layer_types=tuple(t for t in small.cfg.layer_types if t != layer_type))
+        assert expected_shapes(alone, layer_type) == table
 
 
 def test_export_returns_what_was_loaded(small):
