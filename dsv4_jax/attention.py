@@ -30,7 +30,7 @@ from flax import nnx, struct
 
 from . import breaks, indexer, validation
 from .backend import QUERY_BLOCK, Array, einsum
-from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache
+from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows
 from .compressor import CompressorWeights, compress, project, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .indexer import IndexerWeights, head_weights, index_queries
@@ -126,6 +126,7 @@ class StepSpec:
     precision: Any = None
     query_block: int = QUERY_BLOCK
     return_intermediates: bool = False
+    checks: bool = False  # in-graph `checkify.check`s of positions and room (see `check_in_graph`)
 
     @property
     def break_mode(self) -> str:
@@ -146,15 +147,16 @@ def _freqs(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- stages 2-4
-def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec):
-    """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert."""
+def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, frozen=None):
+    """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert
+    (rows in `frozen` unchanged)."""
     cfg, dtype = spec.cfg, spec.dtype
     freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
     q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale)
     kv = apply_rope(kv, positions, freqs, scale=scale)
-    return q, kv, insert_window(window, kv, length)
+    return q, kv, insert_window(window, kv, length, frozen)
 
 
 def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: AttentionWeights,
@@ -168,11 +170,14 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     cfg = spec.cfg
     select = select or spec.plan.indexer_select()
     length = cache.length
+    # A row that would run past max_seq_len (possible only under a user's jit) writes nothing.
+    frozen = overflows(length, positions.shape[1], cache.max_seq_len)
     compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
-    common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps)
+    common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
+                  frozen=frozen)
 
     q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
-                                   weights.q_b_proj, spec)
+                                   weights.q_b_proj, spec, frozen)
     out = StageOutputs(q=q, kv=kv, window=window)
     if spec.layer_type == SLIDING:
         return out
@@ -227,12 +232,20 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
 
     Pure and jittable; `DeepseekV4Attention.__call__` validates the inputs, then runs this
     under `jax.jit` with `spec` static.
+
+    Nothing here can refuse a call, so two rules hold for values the eager checks would refuse:
+    a row whose call would run past ``cache.max_seq_len`` leaves its cache unchanged (length
+    included) and gets a NaN output (`cache.overflows`); positions that do not continue the
+    cache are not detected, unless ``spec.checks`` (then run the step under
+    `jax.experimental.checkify.checkify`; see `check_in_graph`).
     """
     cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
     x = hidden_states.astype(dtype)
     positions = positions.astype(jnp.int32)
     length = jnp.asarray(cache.length, jnp.int32)
     cache = cache.replace(length=length)
+    if spec.checks:
+        check_in_graph(length, positions, cache.max_seq_len)
 
     # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
     q_residual = rms_norm(einsum("bsh,hl->bsl", x, weights.q_a_proj, out_dtype=dtype, precision=prec),
@@ -268,8 +281,10 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
 
     # 6. Inverse RoPE at the query position, grouped low-rank output projection.
     out = output_projection(attended.o, positions, weights, spec)
+    overflow = overflows(length, x.shape[1], cache.max_seq_len)  # [B]; such rows were written nothing
+    out = jnp.where(overflow[:, None, None], jnp.asarray(jnp.nan, out.dtype), out)
 
-    new_length = advance_length(length, x.shape[1])
+    new_length = jnp.where(overflow, length, advance_length(length, x.shape[1]))
     new_cache = cache.replace(length=new_length, window=stages.window,
                               compressor=stages.compressor, indexer=stages.indexer)
     intermediates = None
@@ -282,6 +297,34 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
             visible_entries=visible,
         )
     return out, new_cache, intermediates
+
+
+def check_in_graph(length, positions, max_seq_len: int) -> None:
+    """The eager value checks as `checkify.check`s, for steps traced under a user's jit.
+
+    Present only when ``StepSpec.checks`` (``DeepseekV4Attention(checkify=True)`` under a
+    user's jit); such a step must run under `jax.experimental.checkify.checkify`. The messages
+    name the argument as the eager ones do: all rows at one length (``cache.length``),
+    positions continue the cache (``positions``), room left (``hidden_states``).
+    """
+    from jax.experimental import checkify
+
+    seq = positions.shape[1]
+    checkify.check(jnp.all(length == length[0]),
+                   "cache.length: expected all rows at one length (ragged batches are not supported yet), "
+                   "got {lengths}", lengths=length)
+    expected = length[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
+    wrong = jnp.any(positions != expected, axis=1)  # [B]
+    row = jnp.argmax(wrong)
+    checkify.check(~jnp.any(wrong),
+                   "positions: expected row {row} to continue the cache at {start} ({start} .. {end}), "
+                   "got [{first} .. {last}]",
+                   row=row, start=length[row], end=length[row] + (seq - 1),
+                   first=positions[row, 0], last=positions[row, -1])
+    checkify.check(jnp.all(length + seq <= max_seq_len),
+                   f"hidden_states: expected at most {{room}} new tokens (the cache holds {{held}} of "
+                   f"max_seq_len={max_seq_len}), got {seq}",
+                   room=max_seq_len - jnp.max(length), held=jnp.max(length))
 
 
 def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
@@ -397,7 +440,12 @@ class DeepseekV4Attention(nnx.Module):
       kernels:      "auto" (default: native handlers where built; with break_mode="none" the
                     selection then runs the graph-compatible native handler, no break),
                     "native" (require them) or "xla" (XLA reference ops only, e.g. `lax.top_k`).
-      dtype:        compute dtype; None = promote(hidden_states.dtype, param_dtype).
+      dtype:        compute dtype; None (default) = `param_dtype`: a bf16 layer computes in
+                    bf16 and casts float32 inputs to bf16 (its cache and output are bf16); a
+                    float32 layer computes bf16 inputs in float32. (flax's `nnx.Linear`
+                    promotes instead; here the cache's dtype must be known before the first
+                    input is seen, so the layer alone decides.) Set it to compute in another
+                    dtype than the weights, e.g. ``dtype=jnp.float32`` with bf16 weights.
       param_dtype:  dtype of the projection weights. Norm weights, sinks and position biases
                     stay float32, as the reference keeps them.
       precision:    `jax.lax.Precision` of the matmuls. None (default) means HIGHEST for a
@@ -411,6 +459,13 @@ class DeepseekV4Attention(nnx.Module):
                     input; a device sync for device arrays), "host" (NumPy inputs only),
                     False (none: NaN reaches the output and the cache). None (default):
                     `dsv4_jax.validation.CHECK_FINITE`, which is True.
+      checkify:     False (default) or True: under your own `jax.jit`, where the value checks
+                    cannot run on the host, put them into the step as
+                    `jax.experimental.checkify.check`s (positions continue the cache, room
+                    left, rows at one length; messages as the eager ones). Then wrap your
+                    function in `checkify.checkify` (``jax.jit(checkify.checkify(f))``) and
+                    call ``err.throw()``. Eager calls are checked on the host and run the
+                    usual step either way. An attribute.
 
     Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
     ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
@@ -423,7 +478,7 @@ class DeepseekV4Attention(nnx.Module):
                  break_mode: str = "narrow", break_on: str = "auto", kernels: str = "auto", dtype=None,
                  param_dtype=jnp.float32, precision=None, query_block: int = QUERY_BLOCK,
                  donate_cache: bool = False,
-                 check_finite=None):
+                 check_finite=None, checkify: bool = False):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
         self.config = config
@@ -441,6 +496,7 @@ class DeepseekV4Attention(nnx.Module):
         self.donate_cache = bool(donate_cache)
         validation.check_finite_mode(check_finite)
         self.check_finite = check_finite
+        self.checkify = bool(checkify)
 
         c, h, d = config, config.num_attention_heads, config.head_dim
         pd = self.param_dtype
@@ -463,26 +519,39 @@ class DeepseekV4Attention(nnx.Module):
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None) -> AttentionCache:
         """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
-        dtype: the cache dtype; defaults to the compute dtype (`dtype`, else `param_dtype`).
+        dtype: the cache dtype; defaults to the layer's compute dtype, which is `dtype`, else
+        `param_dtype` (the compute dtype does not depend on the inputs: with
+        ``param_dtype=jnp.bfloat16`` and ``dtype=None`` the layer computes in bf16 for float32
+        and bf16 inputs alike, and this default cache fits both). A cache of another dtype
+        than the compute dtype is refused at the call with a `TypeError` naming ``cache``.
         """
         dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
-        dtype = dtype or self.dtype or self.param_dtype
+        dtype = dtype or self.compute_dtype
         return init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype)
 
     def weights(self) -> AttentionWeights:
         """The current parameters as an `AttentionWeights` pytree of arrays."""
         return _weights_of(self, AttentionWeights)
 
-    def step_spec(self, hidden_dtype, return_intermediates: bool = False) -> StepSpec:
-        """The static description of the compiled step this layer runs for such inputs."""
+    @property
+    def compute_dtype(self):
+        """The dtype the layer computes in (and its cache holds): `dtype`, else `param_dtype`."""
+        return jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
+
+    def step_spec(self, hidden_dtype=None, return_intermediates: bool = False, checks: bool = False) -> StepSpec:
+        """The static description of the compiled step this layer runs for such inputs.
+
+        `hidden_dtype` (the inputs' dtype) does not change it: inputs are cast to the layer's
+        `compute_dtype`. It is accepted for the callers that pass it. `checks`: the step with
+        in-graph `checkify` checks (`check_in_graph`), to run under `checkify.checkify`."""
         plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels)
-        dtype = jnp.dtype(self.dtype) if self.dtype is not None else jnp.promote_types(hidden_dtype, self.param_dtype)
+        dtype = self.compute_dtype
         precision = self.precision
         if precision is None and jnp.dtype(dtype) == jnp.float32:
             precision = jax.lax.Precision.HIGHEST
         return StepSpec(cfg=self.config, layer_type=self.layer_type, plan=plan,
                         dtype=jnp.dtype(dtype), precision=precision, query_block=self.query_block,
-                        return_intermediates=bool(return_intermediates))
+                        return_intermediates=bool(return_intermediates), checks=bool(checks))
 
     def __call__(self, hidden_states, positions, cache: AttentionCache, *, return_intermediates: bool = False):
         """Run the layer on S new tokens per row and return ``(out, cache)``.
@@ -494,9 +563,13 @@ class DeepseekV4Attention(nnx.Module):
 
         Runs compiled code: the first call of each (layer type, shapes, options) compiles, later
         calls (e.g. every decode step, and every layer of the same type) reuse it. Inside a
-        user's `jax.jit`/`nnx.jit` it is traced.
+        user's `jax.jit`/`nnx.jit` it is traced: the value checks are skipped (or, with
+        ``checkify=True``, become `checkify` checks), and a call past `max_seq_len` leaves the
+        cache unchanged and returns NaN (see `attention_step`).
         """
         spec, host_length = validation.check_call(self, hidden_states, positions, cache, return_intermediates)
+        if host_length is None and self.checkify:  # traced: the value checks go into the step
+            spec = dataclasses.replace(spec, checks=True)
         step = step_function(self.donate_cache)
         # The layer index is checked above and is no part of the computation: leave it out of
         # the compiled step's identity, so that layers of one type share one program.

@@ -22,7 +22,8 @@ path keeps a **host mirror** instead of that device value: the length it checked
 before dispatch, advanced by the same `advance_length` after the step ran. So the checks
 that need its value (positions continue the cache, room is left) run without a device round
 trip, and a rejected call never touches the device state. Under a user's `jax.jit` there is
-no mirror: the length is the step's (a tracer).
+no mirror: the length is the step's (a tracer), and a call that would run past `max_seq_len`
+leaves the cache unchanged and returns NaN (`overflows`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ def advance_length(length: Array, new_tokens: int) -> Array:
     """`length` after a call of `new_tokens` tokens per row: the one rule, applied in the step
     (to the device length it returns) and by the eager call path (to its host mirror)."""
     return length + np.int32(new_tokens)
+
+
+def overflows(length: Array, new_tokens: int, max_seq_len: int) -> Array:
+    """[B] bool: rows for which a call of `new_tokens` tokens would run past `max_seq_len`.
+
+    The eager call refuses such a call before dispatch. Under a user's `jax.jit` nothing can
+    refuse it, so the step applies this rule: an overflowing row's cache stays exactly as it
+    was (its scatters are dropped, its `length` is not advanced) and its output is NaN. The
+    next eager call then sees the old length and checks against it."""
+    return length + np.int32(new_tokens) > max_seq_len
 
 
 def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,

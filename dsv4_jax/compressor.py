@@ -62,12 +62,16 @@ def compress(
     freqs: Array,
     rope_scale: float,
     eps: float,
+    frozen: Array | None = None,
 ) -> CompressorCache:
     """Append a call's tokens to the compressor; emit the entries of windows they complete.
 
     kv, gate:  [B, S, n*Dc]  this call's projections (positions ``length .. length+S-1``)
     state:     the compressor's cache before the call
     length:    [B] int32     tokens seen before this call
+    frozen:    [B] bool or None: rows whose state stays as it was (a call that would run past
+               `max_seq_len`, see `cache.overflows`); their entry writes are dropped by the
+               scatter (no copy of the entries), their small buffers kept by a select
     returns    the state after the call: the entries of the windows this call completes are
                written at rows ``length // m ..``, the rest of the stream waits in the buffer.
 
@@ -131,20 +135,29 @@ def compress(
 
     # Write the completed windows' entries; the rest of the stream waits in the buffer.
     j = xp.arange(n_windows, dtype=np.int32)[None, :]
-    write_at = xp.where(j < completed[:, None], first_entry[:, None] + j, state.entries.shape[1])
+    write = j < completed[:, None]
+    if frozen is not None:
+        write = write & ~frozen[:, None]
+    write_at = xp.where(write, first_entry[:, None] + j, state.entries.shape[1])
     entries = scatter_rows(state.entries, write_at, pooled)
 
     def window_rows(a: Array, w: Array) -> Array:  # a: [B, L, m, X], w: [B] -> [B, m, X]
         return xp.take_along_axis(a, w[:, None, None, None] + xp.zeros((1, 1, m, 1), np.int32), 1)[:, 0]
 
+    def unless_frozen(new: Array, old: Array) -> Array:  # [B, m, X]: m rows per batch row, cheap
+        return new if frozen is None else xp.where(frozen[:, None, None], old, new)
+
     new_state = state.replace(
         entries=entries,
-        buffer_kv=window_rows(win_kv, completed),
-        buffer_gate=window_rows(stream_gate.reshape(batch, n_windows, m, -1), completed),
+        buffer_kv=unless_frozen(window_rows(win_kv, completed), state.buffer_kv),
+        buffer_gate=unless_frozen(window_rows(stream_gate.reshape(batch, n_windows, m, -1), completed),
+                                  state.buffer_gate),
     )
     if overlap:
         last = xp.maximum(completed - 1, 0)
         any_new = (completed > 0)[:, None, None]
+        if frozen is not None:
+            any_new = any_new & ~frozen[:, None, None]
         new_state = new_state.replace(
             overlap_kv=xp.where(any_new, window_rows(win_kv[..., :dc], last), state.overlap_kv),
             overlap_gate=xp.where(any_new, window_rows(win_gate[..., :dc], last), state.overlap_gate),

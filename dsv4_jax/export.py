@@ -125,8 +125,8 @@ def export_step(attn: DeepseekV4Attention, hidden_shape: Sequence[int], cache: A
     hidden_shape:         (B, S, hidden) of the calls to export (S new tokens per call)
     cache:                a cache of the shape the calls will use (`attn.init_cache(B, max_seq_len)`);
                           only its shapes, dtypes and static fields are read
-    hidden_dtype:         dtype of the hidden states passed in (sets the compute dtype as the
-                          layer's call would)
+    hidden_dtype:         dtype of the hidden states passed in (cast to the layer's
+                          `compute_dtype`, as the layer's call does)
     return_intermediates: export the step that also returns `Intermediates`
     native_kernels:       keep the native selection where the layer uses it (module docstring)
     platforms:            `jax.export` lowering platforms (default: jax's default backend)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, scatter_rows
+from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, namespace, scatter_rows
 
 
 class AttentionOutput(NamedTuple):
@@ -55,16 +55,21 @@ def window_indices(positions: Array, length: Array, window: int) -> Array:
     return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
 
 
-def insert_window(window_cache: Array, kv: Array, length: Array) -> Array:
+def insert_window(window_cache: Array, kv: Array, length: Array, frozen: Array | None = None) -> Array:
     """Write the last ``min(S, W)`` rotated keys into their ring slots ``p % W``.
 
     window_cache [B, W, D], kv [B, S, D], length [B] (tokens before the call) -> [B, W, D].
-    Runs under XLA or NumPy (it is part of `wq_b_kv_insert`).
+    frozen [B] bool (optional): rows written nothing (their scatter indices point past the
+    ring and are dropped: no copy of the cache). Runs under XLA or NumPy (it is part of
+    `wq_b_kv_insert`).
     """
     w, s = window_cache.shape[1], kv.shape[1]
     n = min(s, w)
     pos = length[:, None] + (s - n) + np.arange(n, dtype=np.int32)[None, :]
-    return scatter_rows(window_cache, pos % w, kv[:, s - n :])
+    slot = pos % w
+    if frozen is not None:
+        slot = namespace(slot, frozen).where(frozen[:, None], w, slot)
+    return scatter_rows(window_cache, slot, kv[:, s - n :])
 
 
 def sparse_attention(

@@ -121,7 +121,7 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
     spec = attn.step_spec(jax.dtypes.canonicalize_dtype(h_dtype), return_intermediates)
     if jnp.dtype(cache.dtype) != spec.dtype:
         raise TypeError(
-            f"cache: expected dtype {spec.dtype} (the layer's compute dtype for {h_dtype} inputs), "
+            f"cache: expected dtype {spec.dtype} (the layer's compute dtype), "
             f"got {cache.dtype}; make it with attn.init_cache(..., dtype={spec.dtype})"
         )
 

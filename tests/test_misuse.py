@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import golden_layer, load_golden
+from jax.experimental import checkify
 
 import dsv4_jax
 from dsv4_jax import breaks, indexer
@@ -149,6 +150,98 @@ def test_unknown_break_mode(tiny, csa):
     finally:
         csa.break_mode = "narrow"
     next_call_is_reference(tiny, csa, cache)
+
+
+# ---------------------------------------------------------------------------- under your own jit
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def _jitted(attn, how):
+    """The layer's call under the user's own jit: nnx.jit of the module, or jax.jit of split state."""
+    if how == "nnx.jit":
+        return nnx.jit(lambda a, x, p, c: a(x, p, c))
+    graphdef, _ = nnx.split(attn)
+    f = jax.jit(lambda state, x, p, c: nnx.merge(graphdef, state)(x, p, c))
+    return lambda a, x, p, c: f(nnx.state(a), x, p, c)
+
+
+@pytest.mark.parametrize("how", ["nnx.jit", "jax.jit"])
+def test_under_jit_a_call_past_max_seq_len_leaves_the_cache_unchanged(tiny, csa, how):
+    cache = after_first_call(tiny, csa, max_seq_len=10)  # 9 tokens held, room for one
+    c1 = tiny.call(CSA_LAYER, 1)
+    two = (jnp.asarray(np.repeat(c1["hidden"], 2, axis=1)), np.asarray([[9, 10]], np.int32))
+    out, after = _jitted(csa, how)(csa, *two, cache)  # nothing can refuse it: the step's own rule
+    assert np.isnan(np.asarray(out)).all()  # NaN: it cannot be mistaken for a result
+    assert _leaves_equal(after, cache)  # every leaf, `length` included (still 9)
+    assert after.length.tolist() == [9]
+    next_call_is_reference(tiny, csa, after)  # the next eager call works on the returned cache
+
+
+@pytest.mark.parametrize("break_mode", ["narrow", "wide"])
+def test_under_jit_an_overflow_writes_no_entries(tiny, break_mode):
+    # 12 tokens into a cache of 10: the windows it completes would have written entries 0 and 1
+    # (both inside the cache) and the ring; all of it is dropped, the cache stays empty.
+    attn = golden_layer(tiny, CSA_LAYER, break_mode)
+    empty = attn.init_cache(1, 10)
+    x = jnp.asarray(np.concatenate([_h(tiny, 0), _h(tiny, 0)], axis=1)[:, :12])
+    out, after = _jitted(attn, "nnx.jit")(attn, x, np.arange(12, dtype=np.int32)[None], empty)
+    assert np.isnan(np.asarray(out)).all()
+    assert _leaves_equal(after, empty)
+    after_first_call(tiny, attn, max_seq_len=10)  # ... and eager calls on it start from position 0
+    c0 = tiny.call(CSA_LAYER, 0)
+    out, _ = attn(jnp.asarray(c0["hidden"]), c0["positions"], after)
+    assert_matches(out, c0["out"])
+
+
+def _checkified(attn):
+    """The README's recipe: ``checkify=True`` and ``jax.jit(checkify.checkify(f))``."""
+    graphdef, _ = nnx.split(attn)
+
+    @jax.jit
+    @checkify.checkify
+    def step(state, x, positions, cache):
+        return nnx.merge(graphdef, state)(x, positions, cache)
+
+    return lambda x, p, c: step(nnx.state(attn), x, p, c)
+
+
+def test_under_jit_checkify_names_positions_and_room(tiny):
+    attn = golden_layer(tiny, CSA_LAYER, checkify=True)
+    cache = after_first_call(tiny, attn, max_seq_len=10)  # eager calls: host checks, the usual step
+    step = _checkified(attn)
+    c1 = tiny.call(CSA_LAYER, 1)
+    err, (out, good) = step(jnp.asarray(c1["hidden"]), c1["positions"], cache)
+    assert err.get() is None
+    assert_matches(out, c1["out"])
+    err, _ = step(jnp.asarray(c1["hidden"]), c1["positions"] + 5, cache)  # a gap
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=r"positions: expected row 0 to continue the cache at 9 \(9 \.\. 9\), got \[14 \.\. 14\]"):
+        err.throw()
+    err, _ = step(jnp.asarray(c1["hidden"]), c1["positions"], good)  # a replay of position 9
+    assert "positions: expected row 0 to continue the cache at 10" in err.get()
+    two = (jnp.asarray(np.repeat(c1["hidden"], 2, axis=1)), np.asarray([[9, 10]], np.int32))
+    err, (out, after) = step(*two, cache)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"hidden_states: expected at most 1 new tokens \(the cache "
+                                                       r"holds 9 of max_seq_len=10\), got 2"):
+        err.throw()
+    assert _leaves_equal(after, cache)  # and the overflow rule still holds
+    next_call_is_reference(tiny, attn, cache)
+    ragged = attn.init_cache(2, 10).replace(length=np.asarray([9, 4], np.int32))
+    err, _ = step(jnp.asarray(np.repeat(c1["hidden"], 2, axis=0)), np.asarray([[9], [4]], np.int32), ragged)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"cache.length: expected all rows at one length \(ragged "
+                                                       r"batches are not supported yet\), got \[9 4\]"):
+        err.throw()
+
+
+def test_the_default_step_has_no_checks(tiny, csa):
+    # checkify=False (the default): no `check` in the traced step; the spec is the eager one.
+    cache = csa.init_cache(1, 64)
+    c0 = tiny.call(CSA_LAYER, 0)
+    jaxpr = jax.make_jaxpr(lambda x, p, c: csa(x, p, c))(jnp.asarray(c0["hidden"]), c0["positions"], cache)
+    assert "check" not in str(jaxpr)
+    assert not csa.step_spec(jnp.float32).checks
 
 
 # ---------------------------------------------------------------------------- non-finite inputs

@@ -52,3 +52,23 @@ def test_bf16_keeps_the_float32_islands():
         name = str(path[-1])
         want = jnp.float32 if name in ("sinks", "position_bias") or name.endswith("norm") else jnp.bfloat16
         assert var[...].dtype == want, (path, var[...].dtype)
+
+
+def test_bf16_layer_takes_float32_inputs_with_the_default_cache():
+    """The README's bf16 recipe as typed: ``param_dtype=jnp.bfloat16``, ``dtype=None``, float32
+    inputs, the default ``init_cache``. The layer computes in its own dtype (bf16): float32
+    inputs are cast, so the result is the bf16-input result, bit for bit."""
+    from dsv4_jax import DeepseekV4Attention, DeepseekV4Config
+
+    cfg = DeepseekV4Config.tiny()
+    attn = DeepseekV4Attention(cfg, 1, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=None)
+    assert attn.compute_dtype == jnp.bfloat16
+    x = np.random.default_rng(0).normal(size=(2, 5, cfg.hidden_size)).astype(np.float32)
+    positions = np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5))
+    out, cache = attn(jnp.asarray(x), positions, attn.init_cache(2, 16))  # float32 inputs
+    assert out.dtype == cache.window.dtype == jnp.bfloat16
+    ref, _ = attn(jnp.asarray(x, jnp.bfloat16), positions, attn.init_cache(2, 16))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    out2, _ = attn(x[:, :1], np.full((2, 1), 5, np.int32), cache)  # a decode step on that cache
+    assert out2.dtype == jnp.bfloat16
