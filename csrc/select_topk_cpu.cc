@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "python_module.h"
 #include "select_topk.h"
 
 namespace ffi = xla::ffi;
@@ -144,29 +145,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCpu, dsv4::TopkImpl,
 namespace {
 
 PyObject* Registrations(PyObject*, PyObject*) {
-  // target name -> handler capsule; dsv4_jax/native.py registers each for the CPU platform.
-  struct Entry {
-    const char* name;
-    void* fn;
-  };
-  const Entry entries[] = {
+  // On the CPU there are no command buffers: both names of a target run one handler.
+  static const dsv4::Target targets[] = {
       {"dsv4_select_topk", reinterpret_cast<void*>(&Dsv4SelectTopkCpu)},
       {"dsv4_select_topk_graph", reinterpret_cast<void*>(&Dsv4SelectTopkCpu)},
       {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCpu)},
       {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCpu)},
   };
-  PyObject* out = PyDict_New();
-  if (out == nullptr) return nullptr;
-  for (const Entry& e : entries) {
-    PyObject* capsule = PyCapsule_New(e.fn, nullptr, nullptr);
-    if (capsule == nullptr || PyDict_SetItemString(out, e.name, capsule) != 0) {
-      Py_XDECREF(capsule);
-      Py_DECREF(out);
-      return nullptr;
-    }
-    Py_DECREF(capsule);
-  }
-  return out;
+  return dsv4::CapsuleDict(targets);
 }
 
 PyObject* BuildInfo(PyObject*, PyObject*) {

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "python_module.h"
 #include "select_topk.h"
 
 namespace ffi = xla::ffi;
@@ -149,6 +150,17 @@ __device__ __forceinline__ uint32_t BlockExclusiveCount(bool flag, uint32_t* war
 
 constexpr int kLoadBatch = 8;  // row elements each thread loads before using them (latency hiding)
 
+// This thread's elements base + j * stride + tid (j < kLoadBatch) of a row as ordered keys
+// (0 past the row's end): all loads are issued before any is used.
+__device__ __forceinline__ void LoadKeyBatch(const float* __restrict__ row, int64_t base, int64_t stride, int64_t n,
+                                             uint32_t (&keys)[kLoadBatch]) {
+#pragma unroll
+  for (int j = 0; j < kLoadBatch; ++j) {
+    const int64_t i = base + j * stride + threadIdx.x;
+    keys[j] = i < n ? OrderedKey(row[i]) : 0u;
+  }
+}
+
 // grid (rows * seq), block kTopkThreads, shared sort_size uint64.
 __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __restrict__ visible,
                            int32_t* __restrict__ picks, int64_t slots, int top_k, int sort_size) {
@@ -175,11 +187,7 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
       __syncthreads();
       for (int64_t base = 0; base < n; base += batch_span) {  // uniform trip count: all lanes vote
         uint32_t keys[kLoadBatch];
-#pragma unroll
-        for (int j = 0; j < kLoadBatch; ++j) {
-          const int64_t i = base + j * stride + tid;
-          keys[j] = i < n ? OrderedKey(s[i]) : 0u;
-        }
+        LoadKeyBatch(s, base, stride, n, keys);
 #pragma unroll
         for (int j = 0; j < kLoadBatch; ++j) {
           const int64_t i = base + j * stride + tid;
@@ -230,11 +238,7 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
     uint32_t eq_seen = 0;
     for (int64_t base = 0; base < n; base += batch_span) {
       uint32_t keys[kLoadBatch];
-#pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        const int64_t i = base + j * stride + tid;
-        keys[j] = i < n ? OrderedKey(s[i]) : 0u;
-      }
+      LoadKeyBatch(s, base, stride, n, keys);
 #pragma unroll
       for (int j = 0; j < kLoadBatch; ++j) {
         const int64_t i = base + j * stride + tid;
@@ -401,28 +405,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCudaGraph, dsv4::TopkImpl, DSV4_TOPK_BINDI
 namespace {
 
 PyObject* Registrations(PyObject*, PyObject*) {
-  struct Entry {
-    const char* name;
-    void* fn;
-  };
-  const Entry entries[] = {
+  // Eager: the break (XLA ends its CUDA graph around it); _graph: captured in the graph.
+  static const dsv4::Target targets[] = {
       {"dsv4_select_topk", reinterpret_cast<void*>(&Dsv4SelectTopkCudaEager)},
       {"dsv4_select_topk_graph", reinterpret_cast<void*>(&Dsv4SelectTopkCudaGraph)},
       {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCudaEager)},
       {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCudaGraph)},
   };
-  PyObject* out = PyDict_New();
-  if (out == nullptr) return nullptr;
-  for (const Entry& e : entries) {
-    PyObject* capsule = PyCapsule_New(e.fn, nullptr, nullptr);
-    if (capsule == nullptr || PyDict_SetItemString(out, e.name, capsule) != 0) {
-      Py_XDECREF(capsule);
-      Py_DECREF(out);
-      return nullptr;
-    }
-    Py_DECREF(capsule);
-  }
-  return out;
+  return dsv4::CapsuleDict(targets);
 }
 
 PyObject* BuildInfo(PyObject*, PyObject*) {
