@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import native
 from .attention import DeepseekV4Attention
-from .breaks import BREAK_MODES
+from .breaks import BREAK_MODES, plan_break
 from .config import CSA, DeepseekV4Config
 
 
@@ -91,6 +92,11 @@ def main(argv=None) -> None:
           f"{cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, window {cfg.sliding_window}, "
           f"CSA ratio {cfg.csa_compress_rate} top-{cfg.index_topk}, HCA ratio {cfg.hca_compress_rate}; "
           f"batch {args.batch}, prompt {args.prompt}, {args.steps} decode steps; modes {', '.join(modes)}")
+    # Where the CSA layer's narrow break runs here (break_on="auto"): the native handler on this
+    # device when it is built, else the host callback (dsv4_jax.native_info() says why).
+    plan = plan_break(CSA, "narrow", "auto")
+    print(f"the narrow break runs on the {plan.place}" + (" (native XLA FFI handler)" if plan.native_select else
+          f" (jax.pure_callback; {native.unavailable_reason(jax.default_backend())})"))
     x = np.random.default_rng(0).normal(size=(args.batch, args.prompt + args.steps, cfg.hidden_size))
     for layer_idx in range(cfg.num_layers):
         run_layer(cfg, layer_idx, x.astype(np.float32), args.prompt, args.steps, modes)
