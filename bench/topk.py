@@ -64,32 +64,37 @@ def unrolled(op, unroll: int):
     return jax.jit(program)
 
 
+def time_variants(case: str, variants: dict, args: tuple, unroll: int, repeats: int, fields: dict) -> list[dict]:
+    """Time each variant's unrolled program on `args`; picks compared with the first variant's."""
+    ref = None
+    out = []
+    for name, op in variants.items():
+        if name.startswith("native") and not native.available(jax.default_backend()):
+            out.append({"case": case, "variant": name, "skipped": native.unavailable_reason(jax.default_backend())})
+            continue
+        fn = unrolled(op, unroll)
+        picks = np.asarray(fn(*args)[0])
+        ref = picks if ref is None else ref
+        times = time_program(fn, args, repeats)
+        out.append({"case": case, "variant": name, **fields, "unroll": unroll,
+                    "us_per_op_median": 1e6 * statistics.median(times) / unroll,
+                    "us_per_op_min": 1e6 * min(times) / unroll, "repeats": repeats,
+                    "picks_equal": bool(np.array_equal(picks, ref))})
+    return out
+
+
 def topk_case(rows: int, slots: int, k: int, unroll: int, repeats: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     scores = rng.standard_normal((unroll, rows, 1, slots)).astype(np.float32)
     scores[..., ::7] = np.round(scores[..., ::7])  # exact ties at several levels
     visible = np.full((unroll, rows, 1), slots, np.int32)
-    scores_d, visible_d = jnp.asarray(scores), jnp.asarray(visible)
     variants = {
         "xla-lax.top_k": lambda s, v: indexer.picks_from_scores(s, v, k),
         "native-graph": lambda s, v: native.topk(s, v, top_k=k, graph=True),
         "native-eager": lambda s, v: native.topk(s, v, top_k=k, graph=False),
     }
-    ref = None
-    out = []
-    for name, op in variants.items():
-        if name.startswith("native") and not native.available(jax.default_backend()):
-            out.append({"case": "topk", "variant": name, "skipped": native.unavailable_reason(jax.default_backend())})
-            continue
-        fn = unrolled(op, unroll)
-        picks = np.asarray(fn(scores_d, visible_d)[0])
-        ref = picks if ref is None else ref
-        times = time_program(fn, (scores_d, visible_d), repeats)
-        out.append({"case": "topk", "variant": name, "rows": rows, "slots": slots, "top_k": k, "unroll": unroll,
-                    "us_per_op_median": 1e6 * statistics.median(times) / unroll,
-                    "us_per_op_min": 1e6 * min(times) / unroll, "repeats": repeats,
-                    "picks_equal": bool(np.array_equal(picks, ref))})
-    return out
+    return time_variants("topk", variants, (jnp.asarray(scores), jnp.asarray(visible)), unroll, repeats,
+                         {"rows": rows, "slots": slots, "top_k": k})
 
 
 def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
@@ -104,22 +109,9 @@ def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: in
         "native-graph": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
         "native-eager": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=False)[0],
     }
-    ref = None
-    out = []
-    for name, op in variants.items():
-        if name.startswith("native") and not native.available(jax.default_backend()):
-            out.append({"case": "select", "variant": name, "skipped": native.unavailable_reason(jax.default_backend())})
-            continue
-        fn = unrolled(op, unroll)
-        picks = np.asarray(fn(q, w, keys, visible)[0])
-        ref = picks if ref is None else ref
-        times = time_program(fn, (q, w, keys, visible), repeats)
-        out.append({"case": "select", "variant": name, "batch": batch, "slots": slots, "heads": heads, "dim": dim,
-                    "top_k": k, "dtype": jnp.dtype(dtype).name, "unroll": unroll,
-                    "us_per_op_median": 1e6 * statistics.median(times) / unroll,
-                    "us_per_op_min": 1e6 * min(times) / unroll, "repeats": repeats,
-                    "picks_equal": bool(np.array_equal(picks, ref))})
-    return out
+    return time_variants("select", variants, (q, w, keys, visible), unroll, repeats,
+                         {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
+                          "dtype": jnp.dtype(dtype).name})
 
 
 def main(argv=None) -> None:
