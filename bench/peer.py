@@ -17,6 +17,19 @@ import time
 
 import numpy as np
 
+# The benchmark's peers, by record name: this module (HF transformers, PyTorch) and the JAX one,
+# MaxText's `CompressedAttention` (`bench/peer_maxtext.py`; the `[peers]` extra).
+HF = "hf-torch"
+MAXTEXT = "maxtext-jax"
+NAMES = (HF, MAXTEXT)
+
+
+def maxtext():
+    """The MaxText peer's module (imports maxtext only when its functions are called)."""
+    from bench import peer_maxtext
+
+    return peer_maxtext
+
 
 def available() -> str | None:
     """None if torch and transformers (with DeepSeek-V4) import, else the reason."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from pathlib import Path
 
+from .peer import MAXTEXT
 from .plan import MODES, PEER
 
-IMPLS = (*MODES, PEER)
+IMPLS = (*MODES, PEER, MAXTEXT)
 
 
 def _fmt(v, digits=3):
@@ -56,13 +57,16 @@ def _cell(r, metric, p90=None):
 
 def _diffs(g):
     parts = []
-    short = {"none-xla": "x", "narrow": "n", "narrow-device": "nd", "wide": "w", PEER: "hf"}
-    for m in ("none-xla", "narrow", "narrow-device", "wide", PEER):
+    short = {"none-xla": "x", "narrow": "n", "narrow-device": "nd", "wide": "w", PEER: "hf", MAXTEXT: "mt"}
+    for m in ("none-xla", "narrow", "narrow-device", "wide", PEER, MAXTEXT):
         r = g.get(m)
         if r is not None and r.get("max_abs_diff_vs_none") is not None:
             parts.append(f"{short[m]} {r['max_abs_diff_vs_none']:.1e}")
+    mt = g.get(MAXTEXT)
+    if mt is not None and mt.get("max_abs_diff_vs_hf") is not None:
+        parts.append(f"mt-vs-hf {mt['max_abs_diff_vs_hf']:.1e}")
     picks = [f"{short[m]} {g[m]['picks_set_overlap_vs_none']:.3f}"
-             for m in ("none-xla", "narrow", "narrow-device", "wide")
+             for m in ("none-xla", "narrow", "narrow-device", "wide", MAXTEXT)
              if g.get(m) is not None and g[m].get("picks_set_overlap_vs_none") is not None]
     s = ", ".join(parts) if parts else "-"
     if picks:
@@ -79,12 +83,15 @@ def table(records, scenario: str, metric: str, p90: str | None = None) -> str:
     head = ["layer", "B", "ctx" if scenario == "decode_long" else "prompt", "entries/top-k"]
     head += [f"{m} ms" for m in IMPLS]
     head += ["wide/narrow", "narrow/none", "narrow-device/none", "none/none-xla", "none/HF", "narrow/HF"]
+    has_mt = any(MAXTEXT in g for g in groups.values())
+    if has_mt:
+        head += ["none/MaxText", "narrow-device/MaxText", "MaxText peak GB"]
     if has_floor:
         head += ["floor ms", "none/floor", "narrow/floor"]
     raw = any(r.get("raw_step_ms_median") for g in groups.values() for r in g.values()) and metric.startswith("decode")
     if raw:
         head += ["none raw step ms", "narrow raw step ms", "narrow-device raw step ms"]
-    head += ["max abs diff vs none (x, n, nd, w, hf); picks overlap"]
+    head += ["max abs diff vs none (x, n, nd, w, hf, mt); picks overlap"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (lt, b, plen), g in groups.items():
         any_r = next(iter(g.values()))
@@ -95,6 +102,10 @@ def table(records, scenario: str, metric: str, p90: str | None = None) -> str:
         row += [_fmt(_ratio(val["wide"], val["narrow"])), _fmt(_ratio(val["narrow"], val["none"])),
                 _fmt(_ratio(val.get("narrow-device"), val["none"])), _fmt(_ratio(val["none"], val.get("none-xla"))),
                 _fmt(_ratio(val["none"], val[PEER])), _fmt(_ratio(val["narrow"], val[PEER]))]
+        if has_mt:
+            peak = g.get(MAXTEXT, {}).get("peak_gb")
+            row += [_fmt(_ratio(val["none"], val[MAXTEXT])), _fmt(_ratio(val.get("narrow-device"), val[MAXTEXT])),
+                    _fmt(peak)]
         if has_floor:
             fl = any_r.get("ttft_floor_ms" if metric == "ttft_ms" and scenario == "decode_pr" else "floor_ms")
             row += [_fmt(fl), _fmt(_ratio(val["none"], fl)), _fmt(_ratio(val["narrow"], fl))]
@@ -112,10 +123,12 @@ def compile_table(records) -> str:
             continue
         key = (r["scenario"], r["layer_type"], r["batch"], r["prompt_len"])
         rows.setdefault(key, {})[r["mode"]] = r
-    head = ["scenario", "layer", "B", "len"] + [f"{m} compile s" for m in MODES] + ["host breaks / call (n, w)"]
+    compiled = (*MODES, MAXTEXT) if any(MAXTEXT in g for g in rows.values()) else MODES
+    head = ["scenario", "layer", "B", "len"] + [f"{m} compile s" for m in compiled] + ["host breaks / call (n, w)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (sc, lt, b, plen), g in rows.items():
-        cells = [_cell(g.get(m), "compile_s") for m in MODES]
+        cells = [_cell(g.get(m), "compile_s") if not (m == MAXTEXT and g.get(m, {}).get("skipped"))
+                 else _fmt(g[m].get("compile_s")) for m in compiled]
         br = ", ".join(str(g[m].get("host_breaks")) for m in ("narrow", "wide") if m in g)
         lines.append("| " + " | ".join([sc, lt, str(b), str(plen), *cells, br or "-"]) + " |")
     return "\n".join(lines)
@@ -193,7 +206,7 @@ def plot(records, path: Path, title: str = "") -> Path | None:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
     colors = {"none": "#1f77b4", "none-xla": "#17becf", "narrow": "#2ca02c", "narrow-device": "#9467bd",
-              "wide": "#d62728", PEER: "#7f7f7f"}
+              "wide": "#d62728", PEER: "#7f7f7f", MAXTEXT: "#ff7f0e"}
     for ax, (scenario, metric, label) in zip(axes[:, 0], panels, strict=True):
         groups = _groups(records, scenario)
         labels = [f"{lt} B{b} L{p}" for (lt, b, p) in groups]
