@@ -1,6 +1,7 @@
 """dsv4_jax: DeepSeek-V4 attention in JAX/Flax NNX, with the lightning indexer as a host break."""
 
-from . import export  # noqa: F401  (registers the pytrees for jax.export serialization)
+# export registers the pytrees for jax.export serialization; sharding: meshes, partition specs.
+from . import export, sharding  # noqa: F401
 from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, attention_step
 from .breaks import BREAK_MODES, BREAK_PLACES, KERNELS, BreakPlan
 from .cache import AttentionCache, CompressorCache

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from . import breaks, indexer, validation
+from . import breaks, indexer, sharding, validation
 from .backend import QUERY_BLOCK, Array, einsum
 from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows
 from .compressor import CompressorWeights, compress, project, visible_entries
@@ -176,35 +176,41 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
                   frozen=frozen)
 
-    q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
-                                   weights.q_b_proj, spec, frozen)
+    # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
+    with jax.named_scope("wq_b_kv_insert"):
+        q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
+                                       weights.q_b_proj, spec, frozen)
     out = StageOutputs(q=q, kv=kv, window=window)
     if spec.layer_type == SLIDING:
         return out
 
     cw = weights.compressor
-    comp_state = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
-                             position_bias=cw.position_bias, kv_norm=cw.kv_norm,
-                             overlap=spec.layer_type == CSA, **common)
+    with jax.named_scope("compressor"):
+        comp_state = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
+                              position_bias=cw.position_bias, kv_norm=cw.kv_norm,
+                              overlap=spec.layer_type == CSA, **common)
     out = out.replace(compressor=comp_state)
     if spec.layer_type == HCA:
         return out
 
     iw = weights.indexer
-    index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
-                              position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
-                              overlap=True, **common)
+    with jax.named_scope("indexer_compressor"):
+        index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
+                               position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
+                               overlap=True, **common)
     # The indexer's input is detached, as in DeepSeek-V3.2: its own loss (`indexer_kl_loss`)
     # trains the indexer only (its picks pass no gradient back to q_residual anyway).
     q_in = inputs.q_residual
     if not isinstance(q_in, np.ndarray):  # the wide break's host twin runs on NumPy arrays
         q_in = jax.lax.stop_gradient(q_in)
-    queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
-                            n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
-                            precision=spec.precision)
+    with jax.named_scope("indexer_queries"):
+        queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
+                                n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
+                                precision=spec.precision)
     visible = visible_entries(positions, spec.ratio)
-    selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
-                      top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
+    with jax.named_scope("indexer_select"):
+        selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
+                          top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 
 
@@ -248,19 +254,20 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         check_in_graph(length, positions, cache.max_seq_len)
 
     # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
-    q_residual = rms_norm(einsum("bsh,hl->bsl", x, weights.q_a_proj, out_dtype=dtype, precision=prec),
-                          weights.q_a_norm, cfg.rms_norm_eps)
-    kv = rms_norm(einsum("bsh,hd->bsd", x, weights.kv_proj, out_dtype=dtype, precision=prec),
-                  weights.kv_norm, cfg.rms_norm_eps)
-    inputs = StageInputs(q_residual=q_residual, kv=kv)
-    if weights.compressor is not None:
-        ckv, cgate = project(x, weights.compressor, dtype, prec)
-        inputs = inputs.replace(compressor_kv=ckv, compressor_gate=cgate)
-    if weights.indexer is not None:
-        ikv, igate = project(x, weights.indexer.compressor, dtype, prec)
-        inputs = inputs.replace(indexer_kv=ikv, indexer_gate=igate,
-                                indexer_weights=head_weights(x, weights.indexer.weights_proj,
-                                                             cfg.index_n_heads, dtype, prec))
+    with jax.named_scope("input_projections"):
+        q_residual = rms_norm(einsum("bsh,hl->bsl", x, weights.q_a_proj, out_dtype=dtype, precision=prec),
+                              weights.q_a_norm, cfg.rms_norm_eps)
+        kv = rms_norm(einsum("bsh,hd->bsd", x, weights.kv_proj, out_dtype=dtype, precision=prec),
+                      weights.kv_norm, cfg.rms_norm_eps)
+        inputs = StageInputs(q_residual=q_residual, kv=kv)
+        if weights.compressor is not None:
+            ckv, cgate = project(x, weights.compressor, dtype, prec)
+            inputs = inputs.replace(compressor_kv=ckv, compressor_gate=cgate)
+        if weights.indexer is not None:
+            ikv, igate = project(x, weights.indexer.compressor, dtype, prec)
+            inputs = inputs.replace(indexer_kv=ikv, indexer_gate=igate,
+                                    indexer_weights=head_weights(x, weights.indexer.weights_proj,
+                                                                 cfg.index_n_heads, dtype, prec))
 
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
     if spec.plan.mode == "wide":
@@ -270,17 +277,19 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         stages = run_stages(inputs, cache, positions, weights, spec)
 
     # 5. Sparse attention over [window | picked or visible entries] with the sink.
-    pool = jnp.concatenate([cache.window, stages.kv], axis=1)  # [B, W+S, D]
     entries = stages.compressor.entries if stages.compressor is not None else None
     visible = visible_entries(positions, spec.ratio) if spec.layer_type != SLIDING else None
-    attended = sparse_attention(
-        stages.q, pool, window_indices(positions, length, cfg.sliding_window), weights.sinks,
-        entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
-        block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
-    )
+    with jax.named_scope("sparse_attention"):
+        pool = jnp.concatenate([cache.window, stages.kv], axis=1)  # [B, W+S, D]
+        attended = sparse_attention(
+            stages.q, pool, window_indices(positions, length, cfg.sliding_window), weights.sinks,
+            entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
+            block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
+        )
 
     # 6. Inverse RoPE at the query position, grouped low-rank output projection.
-    out = output_projection(attended.o, positions, weights, spec)
+    with jax.named_scope("output_projection"):
+        out = output_projection(attended.o, positions, weights, spec)
     overflow = overflows(length, x.shape[1], cache.max_seq_len)  # [B]; such rows were written nothing
     out = jnp.where(overflow[:, None, None], jnp.asarray(jnp.nan, out.dtype), out)
 
@@ -369,23 +378,31 @@ def _array(param: nnx.Variable) -> Array:
     return raw if isinstance(raw, (jax.Array, np.ndarray)) else param[...]
 
 
-def _projection(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
-    """A projection kernel [..., in, out] with variance 1/in (activations stay O(1)).
+def _param(value, axes: tuple[str, ...]) -> nnx.Param:
+    """A parameter annotated with its logical axes (NNX sharding metadata; `dsv4_jax.sharding`
+    maps them to mesh axes). ``eager_sharding=False``: the annotation alone, so building a layer
+    needs no mesh; `sharding.shard_layer` places the values."""
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _projection(rngs: nnx.Rngs, shape, dtype, axes: tuple[str, ...]) -> nnx.Param:
+    """A projection kernel [..., in, out] with variance 1/in (activations stay O(1)), logical `axes`.
 
     Drawn in float32, then cast: one seed gives the same weights (up to the cast) for every
     `param_dtype` (`random.normal` drawing in bf16 directly consumes the bits differently)."""
     init = nnx.initializers.normal(stddev=shape[-2] ** -0.5)
-    return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(dtype))
+    return _param(init(rngs.params(), shape, jnp.float32).astype(dtype), axes)
 
 
 class Compressor(nnx.Module):
     """Parameters of a gated-pooling compressor (names as HF's `compressor.*`)."""
 
     def __init__(self, hidden: int, width: int, dim: int, ratio: int, *, rngs: nnx.Rngs, param_dtype):
-        self.kv_proj = _projection(rngs, (hidden, width), param_dtype)
-        self.gate_proj = _projection(rngs, (hidden, width), param_dtype)
-        self.position_bias = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
-        self.kv_norm = nnx.Param(jnp.ones((dim,), jnp.float32))
+        # One shared K=V head: nothing here has a head axis (replicated over "model").
+        self.kv_proj = _projection(rngs, (hidden, width), param_dtype, ("embed", "kv"))
+        self.gate_proj = _projection(rngs, (hidden, width), param_dtype, ("embed", "kv"))
+        self.position_bias = _param(jnp.zeros((ratio, width), jnp.float32), ("ratio", "kv"))
+        self.kv_norm = _param(jnp.ones((dim,), jnp.float32), ("kv",))
 
     def weights(self) -> CompressorWeights:
         return _weights_of(self, CompressorWeights)
@@ -396,8 +413,12 @@ class Indexer(nnx.Module):
 
     def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, param_dtype):
         c = cfg.index_head_dim
-        self.q_b_proj = _projection(rngs, (cfg.q_lora_rank, cfg.index_n_heads * c), param_dtype)
-        self.weights_proj = _projection(rngs, (cfg.hidden_size, cfg.index_n_heads), param_dtype)
+        # "index_heads", not "heads": the selection sums over all indexer heads, so the indexer is
+        # replicated over "model" (see `dsv4_jax.sharding`).
+        self.q_b_proj = _projection(rngs, (cfg.q_lora_rank, cfg.index_n_heads * c), param_dtype,
+                                    ("q_lora", "index_heads"))
+        self.weights_proj = _projection(rngs, (cfg.hidden_size, cfg.index_n_heads), param_dtype,
+                                        ("embed", "index_heads"))
         self.compressor = Compressor(cfg.hidden_size, cfg.compressor_width(CSA, indexer=True), c,
                                      cfg.csa_compress_rate, rngs=rngs, param_dtype=param_dtype)
 
@@ -466,6 +487,14 @@ class DeepseekV4Attention(nnx.Module):
                     function in `checkify.checkify` (``jax.jit(checkify.checkify(f))``) and
                     call ``err.throw()``. Eager calls are checked on the host and run the
                     usual step either way. An attribute.
+      mesh:         a `jax.sharding.Mesh` (axes "data" for the batch, "model" for the heads;
+                    `dsv4_jax.sharding.make_mesh`) to run on: the parameters are placed on it
+                    by their logical axes, `init_cache` makes a batch-sharded cache, and the
+                    breaks run per batch shard. None (default): no mesh of its own; the step
+                    then takes the mesh of an enclosing ``jax.set_mesh(...)``, or (eager calls)
+                    the one the cache is sharded over. An attribute; see `dsv4_jax.sharding`.
+      sharding_rules: (logical axis, mesh axis or None) pairs overriding
+                    `dsv4_jax.sharding.LOGICAL_AXIS_RULES` (None: the defaults).
 
     Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
     ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
@@ -478,7 +507,7 @@ class DeepseekV4Attention(nnx.Module):
                  break_mode: str = "narrow", break_on: str = "auto", kernels: str = "auto", dtype=None,
                  param_dtype=jnp.float32, precision=None, query_block: int = QUERY_BLOCK,
                  donate_cache: bool = False,
-                 check_finite=None, checkify: bool = False):
+                 check_finite=None, checkify: bool = False, mesh=None, sharding_rules=None):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
         self.config = config
@@ -500,20 +529,29 @@ class DeepseekV4Attention(nnx.Module):
 
         c, h, d = config, config.num_attention_heads, config.head_dim
         pd = self.param_dtype
-        self.q_a_proj = _projection(rngs, (c.hidden_size, c.q_lora_rank), pd)
-        self.q_a_norm = nnx.Param(jnp.ones((c.q_lora_rank,), jnp.float32))
-        self.q_b_proj = _projection(rngs, (c.q_lora_rank, h * d), pd)
-        self.kv_proj = _projection(rngs, (c.hidden_size, d), pd)
-        self.kv_norm = nnx.Param(jnp.ones((d,), jnp.float32))
-        self.o_a_proj = _projection(rngs, (c.o_groups, h * d // c.o_groups, c.o_lora_rank), pd)
-        self.o_b_proj = _projection(rngs, (c.o_groups * c.o_lora_rank, c.hidden_size), pd)
-        self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
+        # Logical axes (`dsv4_jax.sharding.LOGICAL_AXIS_RULES`): heads split over "model" where
+        # the math is per head (q_b_proj's head-major columns, sinks) and the output projection
+        # by its groups (each group holds whole heads; XLA sums the groups' partial outputs).
+        self.q_a_proj = _projection(rngs, (c.hidden_size, c.q_lora_rank), pd, ("embed", "q_lora"))
+        self.q_a_norm = _param(jnp.ones((c.q_lora_rank,), jnp.float32), ("q_lora",))
+        self.q_b_proj = _projection(rngs, (c.q_lora_rank, h * d), pd, ("q_lora", "heads"))
+        self.kv_proj = _projection(rngs, (c.hidden_size, d), pd, ("embed", "kv"))
+        self.kv_norm = _param(jnp.ones((d,), jnp.float32), ("kv",))
+        self.o_a_proj = _projection(rngs, (c.o_groups, h * d // c.o_groups, c.o_lora_rank), pd,
+                                    ("o_groups", "group_dim", "o_lora"))
+        self.o_b_proj = _projection(rngs, (c.o_groups * c.o_lora_rank, c.hidden_size), pd, ("o_groups", "embed"))
+        self.sinks = _param(jnp.zeros((h,), jnp.float32), ("heads",))
         self.compressor = (
             Compressor(c.hidden_size, c.compressor_width(self.layer_type), d, c.compress_rate(self.layer_type),
                        rngs=rngs, param_dtype=pd)
             if self.layer_type in (CSA, HCA) else None
         )
         self.indexer = Indexer(c, rngs=rngs, param_dtype=pd) if self.layer_type == CSA else None
+        self.mesh = None
+        # Hashable (the module's static attributes key `nnx.jit`'s cache): a tuple over every logical axis.
+        self.sharding_rules = None if sharding_rules is None else sharding.check_rules(sharding_rules)
+        if mesh is not None:
+            sharding.shard_layer(self, mesh, sharding_rules)
 
     # ------------------------------------------------------------------ public API
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None) -> AttentionCache:
@@ -527,7 +565,9 @@ class DeepseekV4Attention(nnx.Module):
         """
         dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         dtype = dtype or self.compute_dtype
-        return init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype)
+        cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype)
+        # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
+        return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)
 
     def weights(self) -> AttentionWeights:
         """The current parameters as an `AttentionWeights` pytree of arrays."""
@@ -544,7 +584,9 @@ class DeepseekV4Attention(nnx.Module):
         `hidden_dtype` (the inputs' dtype) does not change it: inputs are cast to the layer's
         `compute_dtype`. It is accepted for the callers that pass it. `checks`: the step with
         in-graph `checkify` checks (`check_in_graph`), to run under `checkify.checkify`."""
-        plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels)
+        mesh = self.mesh if self.mesh is not None else sharding.context_mesh()
+        layout = None if mesh is None else sharding.layout(self.config, mesh, self.sharding_rules)
+        plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout)
         dtype = self.compute_dtype
         precision = self.precision
         if precision is None and jnp.dtype(dtype) == jnp.float32:
@@ -570,7 +612,16 @@ class DeepseekV4Attention(nnx.Module):
         spec, host_length = validation.check_call(self, hidden_states, positions, cache, return_intermediates)
         if host_length is None and self.checkify:  # traced: the value checks go into the step
             spec = dataclasses.replace(spec, checks=True)
-        step = step_function(self.donate_cache)
+        if spec.plan.layout is None and host_length is not None and sharding.mesh_of(cache) is not None:
+            # An eager call on a cache sharded over a mesh the layer was not told about: run on
+            # that mesh (its breaks per batch shard) rather than gather the batch for them.
+            layout = sharding.layout(self.config, sharding.mesh_of(cache), self.sharding_rules)
+            spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, layout=layout))
+        if spec.plan.layout is not None:
+            sharding.check_batch(spec.plan.layout, hidden_states.shape[0])
+            step = sharding.step_function(self.donate_cache)
+        else:
+            step = step_function(self.donate_cache)
         # The layer index is checked above and is no part of the computation: leave it out of
         # the compiled step's identity, so that layers of one type share one program.
         anonymous = cache.replace(layer_idx=-1)

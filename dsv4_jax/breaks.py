@@ -30,6 +30,12 @@ What crosses a host boundary: in ``narrow``, the indexer queries, head weights, 
 cache and visible-entry counts go down and int32 picks [B, S, index_topk] (-1 padded) come
 back; the cache writes stay in-graph. In ``wide`` the callback takes the state it updates
 (window ring, compressor and indexer caches) and returns the new state with the picks.
+
+On a mesh (``BreakPlan.layout``, see `sharding`): the selection (every kind: host callback,
+native eager break, native graph handler, `lax.top_k`) and the wide break run inside
+`jax.shard_map`, per batch shard, never on a gathered global batch; a host callback runs on one
+device of each batch shard and its result reaches the shard's ``"model"`` replicas by a ``psum``.
+
 Gradients: the picks are integers; the break's inputs are cut from differentiation
 (`lax.stop_gradient`), so a loss differentiates alike in ``none`` and ``narrow``. The wide
 break computes differentiable stages on the host, so differentiating it raises a `ValueError`
@@ -59,7 +65,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import indexer, native
+from . import indexer, native, sharding
 from .backend import QUERY_BLOCK, map_query_blocks
 from .config import CSA
 
@@ -95,25 +101,43 @@ class BreakPlan:
     place:         "host" or "device" where there is a break, else None
     native_select: the indexer's selection is the native handler: the eager break
                    (narrow/device) or the graph-compatible target (none)
+    layout:        a `sharding.MeshLayout` when the step runs on a mesh, else None: the breaks
+                   (and the native selection) then run per batch shard (`sharding.run_per_shard`)
     """
 
     mode: str
     place: str | None = None
     native_select: bool = False
+    layout: Any = None
 
     def indexer_select(self) -> Callable[..., Any]:
         """The `select_topk` that `attention.run_stages` calls for this plan."""
         if self.native_select:
-            return functools.partial(_select_native, graph=self.mode == "none")
-        if self.mode == "narrow":
-            return _select_on_host
-        return indexer.select_topk
+            select = functools.partial(_select_native, graph=self.mode == "none")
+        elif self.mode == "narrow":
+            select = _select_on_host
+        else:
+            select = indexer.select_topk
+        if self.layout is None:
+            return select
+        # On a mesh, per batch shard: a callback or a custom call is opaque to XLA's partitioner,
+        # which would gather the global batch onto one device (callbacks) or every device (custom
+        # calls) for it; and it also gathers the batch for `lax.top_k` (measured, jax 0.10).
+        return functools.partial(_select_per_shard, select, self.layout, once=self.place == "host")
 
 
 def plan_break(layer_type: str, break_mode: str, break_on: str = "auto", kernels: str = "auto",
-               platform: str | None = None) -> BreakPlan:
+               platform: str | None = None, layout: Any = None) -> BreakPlan:
     """Resolve a layer's `break_mode`, `break_on` and `kernels` for `platform` (default: jax's
-    default backend) into its `BreakPlan`; the one place these choices are made."""
+    default backend) into its `BreakPlan`; the one place these choices are made. `layout`: the
+    step's `sharding.MeshLayout` (its breaks then run per batch shard), or None."""
+    if platform is None and layout is not None and isinstance(layout.mesh, jax.sharding.Mesh):
+        platform = layout.mesh.devices.flat[0].platform  # the mesh's devices, not jax's default
+    plan = _plan_break(layer_type, break_mode, break_on, kernels, platform)
+    return plan if layout is None else dataclasses.replace(plan, layout=layout)
+
+
+def _plan_break(layer_type: str, break_mode: str, break_on: str, kernels: str, platform: str | None) -> BreakPlan:
     check_break_mode(break_mode)
     check_break_on(break_on)
     check_kernels(kernels)
@@ -232,11 +256,21 @@ def host_call(fn: Callable[..., Any], *args):
 
 def wide_host_call(fn: Callable[..., Any], *args):
     """`host_call` for the wide break, whose host stages carry gradients that a callback
-    cannot give: differentiating it raises a clear error instead of JAX's generic one."""
+    cannot give: differentiating it raises a clear error instead of JAX's generic one.
+
+    `fn` is ``partial(run_stages, spec=spec, ...)`` and `args` are ``(inputs, cache, positions,
+    stage weights)``; on a mesh (``spec.plan.layout``) the callback runs once per batch shard
+    with the weights whole (`sharding.run_per_shard`), and its new state keeps the cache's
+    batch sharding.
+    """
+    spec = getattr(fn, "keywords", {}).get("spec")
+    layout = getattr(getattr(spec, "plan", None), "layout", None)
 
     @jax.custom_jvp
     def call(*xs):
-        return host_call(fn, *xs)
+        if layout is None:
+            return host_call(fn, *xs)
+        return sharding.run_per_shard(functools.partial(host_call, fn), layout, xs[:-1], xs[-1:], once=True)
 
     @call.defjvp
     def refuse(primals, tangents):
@@ -257,6 +291,14 @@ def _select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False
     node without leaves, so only the int32 picks come back from the host."""
     fn = functools.partial(indexer.select_topk, top_k=top_k, with_scores=with_scores, block=block)
     return host_call(fn, *jax.lax.stop_gradient((queries, weights, keys)), visible)
+
+
+def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k, with_scores=False,
+                      block=QUERY_BLOCK, once: bool) -> indexer.Selection:
+    """`select` run per batch shard of a mesh (`sharding.run_per_shard`): every argument is
+    ``[B, ...]``; `once` for a host callback (one device per batch shard calls the host)."""
+    fn = functools.partial(select, top_k=top_k, with_scores=with_scores, block=block)
+    return sharding.run_per_shard(fn, layout, (queries, weights, keys, visible), once=once)
 
 
 def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,

@@ -19,10 +19,15 @@ What is exported: `attention_step` for one call shape (batch, tokens per call, t
 *arguments* (nothing is baked in). Export a prefill and a decode step separately. The call
 skips the eager path's input checks (positions must continue the cache, as in `jax.jit`).
 
-Only ``break_mode="none"`` exports: a host break is a `jax.pure_callback` (``"narrow"`` on
-the host, ``"wide"``), and host callbacks cannot be serialized; the native eager break
-(``"narrow"`` with ``break_on="device"``) is a custom call outside the exported module's
-guarantees. A sliding or HCA layer has no indexer, so its ``"narrow"`` is ``"none"``.
+What exports: ``break_mode="none"`` and the **native device break** (``"narrow"`` with
+``break_on="device"``, or ``"auto"`` where the native handlers are built): the latter keeps its
+FFI custom call (target ``dsv4_select_topk``, the eager break) in the exported module, so the
+process that calls the deserialized step must have the target registered on the same platform;
+`deserialize_step` registers the library's targets (as importing and using `dsv4_jax.native`
+does), and a missing native build fails at the call with XLA's "no FFI handler" error. Host
+breaks refuse with a `ValueError` naming ``break_mode``: a `jax.pure_callback` (``"narrow"`` on
+the host, ``"wide"``) cannot be serialized. A sliding or HCA layer has no indexer, so its
+``"narrow"`` is ``"none"``. A layer on a mesh (``attn.mesh``) exports its one-device step.
 
 The selection: a layer whose ``break_mode="none"`` step runs the native graph handler
 (``kernels="auto"`` where it is built) is exported with the XLA selection (`lax.top_k`,
@@ -44,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import native
 from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, StepSpec, attention_step
 from .breaks import BreakPlan
 from .cache import AttentionCache, CompressorCache
@@ -52,8 +58,9 @@ from .indexer import IndexerWeights
 
 PYTREES = (AttentionWeights, CompressorWeights, IndexerWeights, AttentionCache, CompressorCache, Intermediates)
 
-# The native targets a break_mode="none" step may call (see `dsv4_jax.native`).
-_NATIVE_GRAPH_TARGETS = ("dsv4_select_topk_graph",)
+# The native targets an exported step may call (see `dsv4_jax.native`): the graph-compatible
+# selection of break_mode="none" (native_kernels=True) and the eager device break of "narrow".
+_NATIVE_TARGETS = ("dsv4_select_topk_graph", "dsv4_select_topk")
 
 __all__ = ["PYTREES", "deserialize_step", "export_step", "serialize_step"]
 
@@ -98,17 +105,17 @@ def _exportable_spec(spec: StepSpec, break_mode: str, native_kernels: bool) -> S
             "the indexer in NumPy) is a jax.pure_callback, and host callbacks cannot be serialized by "
             "jax.export; set break_mode='none' (same outputs, everything in the XLA program)"
         )
-    if plan.mode == "narrow":
-        what = ("a jax.pure_callback into NumPy, and host callbacks cannot be serialized by jax.export"
-                if plan.place == "host" else
-                "the native eager-break custom call, which jax.export does not serialize")
+    if plan.mode == "narrow" and plan.place == "host":
         raise ValueError(
-            f"break_mode: {break_mode!r} cannot be exported: its break (the indexer's scoring + top-k) is "
-            f"{what}; set break_mode='none' (same picks and outputs, everything in the XLA program)"
+            f"break_mode: {break_mode!r} with break_on='host' cannot be exported: its break (the indexer's "
+            f"scoring + top-k) is a jax.pure_callback into NumPy, and host callbacks cannot be serialized by "
+            f"jax.export; set break_mode='none' (same picks and outputs, everything in the XLA program) or "
+            f"break_on='device' (the native custom call, where it is built)"
         )
-    if plan.native_select and not native_kernels:
-        spec = dataclasses.replace(spec, plan=BreakPlan(mode="none"))
-    return spec
+    if plan.mode == "none" and plan.native_select and not native_kernels:
+        plan = BreakPlan(mode="none")
+    # The exported step is a one-device program: no per-shard wrapping (`dsv4_jax.sharding`).
+    return dataclasses.replace(spec, plan=dataclasses.replace(plan, layout=None))
 
 
 def _struct(a) -> jax.ShapeDtypeStruct:
@@ -120,15 +127,16 @@ def export_step(attn: DeepseekV4Attention, hidden_shape: Sequence[int], cache: A
                 platforms: Sequence[str] | None = None) -> jax.export.Exported:
     """Export `attn`'s compiled step for calls of `hidden_shape` [B, S, hidden] on `cache`.
 
-    attn:                 a layer in break_mode "none" (other modes raise a ValueError naming
-                          ``break_mode``; see the module docstring)
+    attn:                 a layer in break_mode "none", or "narrow" on the device (host breaks
+                          raise a ValueError naming ``break_mode``; see the module docstring)
     hidden_shape:         (B, S, hidden) of the calls to export (S new tokens per call)
     cache:                a cache of the shape the calls will use (`attn.init_cache(B, max_seq_len)`);
                           only its shapes, dtypes and static fields are read
     hidden_dtype:         dtype of the hidden states passed in (cast to the layer's
                           `compute_dtype`, as the layer's call does)
     return_intermediates: export the step that also returns `Intermediates`
-    native_kernels:       keep the native selection where the layer uses it (module docstring)
+    native_kernels:       keep the native graph selection of a "none" layer that uses it (module
+                          docstring); the device break always keeps its custom call
     platforms:            `jax.export` lowering platforms (default: jax's default backend)
 
     Returns a `jax.export.Exported`: ``exported.call(weights, cache, hidden_states, positions)``
@@ -151,8 +159,8 @@ def export_step(attn: DeepseekV4Attention, hidden_shape: Sequence[int], cache: A
     spec = _exportable_spec(attn.step_spec(jnp.dtype(hidden_dtype), return_intermediates), attn.break_mode,
                             native_kernels)
     disabled = ()
-    if spec.plan.native_select:
-        disabled = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in _NATIVE_GRAPH_TARGETS)
+    if spec.plan.native_select:  # jax.export allows only its own list of custom calls unless told
+        disabled = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in _NATIVE_TARGETS)
     step = jax.jit(functools.partial(attention_step, spec=spec))
     args = (
         jax.tree.map(_struct, attn.weights()),
@@ -169,5 +177,11 @@ def serialize_step(exported: jax.export.Exported) -> bytes:
 
 
 def deserialize_step(data: bytes | bytearray) -> jax.export.Exported:
-    """An exported step back from `serialize_step`'s bytes; call it with ``.call(...)``."""
-    return jax.export.deserialize(bytearray(data))
+    """An exported step back from `serialize_step`'s bytes; call it with ``.call(...)``.
+
+    Registers the library's native FFI targets with XLA where they are built (a step exported
+    with the device break or ``native_kernels=True`` calls them); the others need none."""
+    exported = jax.export.deserialize(bytearray(data))
+    for platform in exported.platforms:
+        native.available(platform)  # registers the platform's targets; False where not built
+    return exported

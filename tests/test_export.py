@@ -1,11 +1,18 @@
 """`dsv4_jax.export`: the layer's step through `jax.export`, serialized and deserialized.
 
 The deserialized step runs and gives what the layer's own call gives (outputs, cache,
-intermediates); every library pytree round-trips through serialization; host break modes are
-refused with a ValueError naming ``break_mode``.
+intermediates), for ``break_mode="none"`` and for the native device break (also in a fresh
+process, where only `deserialize_step` registers the native target); every library pytree
+round-trips through serialization; host break modes are refused with a ValueError naming
+``break_mode``.
 """
 
 from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -100,17 +107,71 @@ def test_every_library_pytree_round_trips():
 def test_host_breaks_are_refused(kwargs):
     attn = random_layer(TINY, LAYER[CSA], seed=5, **kwargs)
     cache = attn.init_cache(BATCH, MAX_LEN)
-    with pytest.raises(ValueError, match=rf"break_mode: '{kwargs['break_mode']}'.*cannot be serialized"):
+    with pytest.raises(ValueError, match=rf"break_mode: '{kwargs['break_mode']}'.*cannot be (exported|serialized)"):
         export_step(attn, (BATCH, N, TINY.hidden_size), cache)
+
+
+@pytest.mark.skipif(not NATIVE_BUILT, reason="the native indexer handlers are not built here (pip install -e .)")
+@pytest.mark.parametrize("break_on", ["device", "auto"])
+def test_the_device_break_step_exports_and_runs(break_on):
+    """narrow on the device: the eager-break custom call stays in the module, and the
+    deserialized step equals the layer's call (picks included); a decode step continues it."""
+    attn = random_layer(TINY, LAYER[CSA], seed=5, break_mode="narrow", break_on=break_on)
+    assert attn.step_spec().plan.place == "device"
+    cache = attn.init_cache(BATCH, MAX_LEN)
+    x, positions = _inputs()
+    exported = export_step(attn, x.shape, cache, return_intermediates=True)
+    assert "@dsv4_select_topk(" in exported.mlir_module()  # the eager break, not the graph handler
+    assert "dsv4_select_topk_graph" not in exported.mlir_module()
+    step = deserialize_step(serialize_step(exported))
+    out, new_cache, inter = step.call(attn.weights(), cache, jnp.asarray(x), jnp.asarray(positions))
+    expected = attn(x, positions, cache, return_intermediates=True)
+    _assert_trees_equal(out, expected[0], "out")
+    _assert_trees_equal(new_cache.replace(length=np.asarray(new_cache.length)), expected[1], "cache")
+    _assert_trees_equal(inter, expected[2], "intermediates")
+    assert np.asarray(inter.topk).max() >= 0
+
+    x1, p1 = _inputs(1, start=N)
+    decode = deserialize_step(serialize_step(export_step(attn, x1.shape, expected[1])))
+    out1, cache1, _ = decode.call(attn.weights(), expected[1], jnp.asarray(x1), jnp.asarray(p1))
+    out1_ref, cache1_ref = attn(x1, p1, expected[1])
+    _assert_trees_equal(out1, out1_ref, "decode out")
+    _assert_trees_equal(cache1.replace(length=np.asarray(cache1.length)), cache1_ref, "decode cache")
+
+
+@pytest.mark.skipif(not NATIVE_BUILT, reason="the native indexer handlers are not built here (pip install -e .)")
+def test_the_device_break_step_runs_in_a_fresh_process(tmp_path):
+    """Serialized here, called in a new Python process: `deserialize_step` registers the FFI
+    target there (a bare `jax.export.deserialize` call fails: no handler for dsv4_select_topk)."""
+    attn = random_layer(TINY, LAYER[CSA], seed=8, break_mode="narrow", break_on="device")
+    cache = attn.init_cache(BATCH, MAX_LEN)
+    x, positions = _inputs()
+    (tmp_path / "step.bin").write_bytes(serialize_step(export_step(attn, x.shape, cache)))
+    args = jax.tree.map(np.asarray, (attn.weights(), cache, x, positions))
+    (tmp_path / "args.pkl").write_bytes(pickle.dumps(args))
+    script = textwrap.dedent(f"""
+        import pickle, pathlib, sys
+        import numpy as np
+        from dsv4_jax.export import deserialize_step
+        root = pathlib.Path({str(tmp_path)!r})
+        step = deserialize_step(root.joinpath("step.bin").read_bytes())
+        out, cache, _ = step.call(*pickle.loads(root.joinpath("args.pkl").read_bytes()))
+        np.save(root / "out.npy", np.asarray(out))
+        np.save(root / "entries.npy", np.asarray(cache.indexer.entries))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out, new_cache = attn(x, positions, cache)
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), np.asarray(out), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / "entries.npy"), np.asarray(new_cache.indexer.entries),
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not NATIVE_BUILT, reason="the native indexer handlers are not built here")
-def test_native_breaks_and_kernels():
-    attn = random_layer(TINY, LAYER[CSA], seed=5, break_mode="narrow", break_on="device")
+def test_native_kernels_of_the_none_step():
+    attn = random_layer(TINY, LAYER[CSA], seed=5, break_mode="none")
     cache = attn.init_cache(BATCH, MAX_LEN)
-    with pytest.raises(ValueError, match="break_mode: 'narrow'"):
-        export_step(attn, (BATCH, N, TINY.hidden_size), cache)
-    attn.break_mode = "none"  # kernels="auto": the native graph handler in the layer's own step
+    # kernels="auto": the native graph handler in the layer's own step
     portable = export_step(attn, (BATCH, N, TINY.hidden_size), cache)
     assert "dsv4_select_topk" not in portable.mlir_module()
     native = export_step(attn, (BATCH, N, TINY.hidden_size), cache, native_kernels=True)
