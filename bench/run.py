@@ -9,8 +9,10 @@ Scenarios, protocol and caps: `bench/plan.py` and `bench/measure.py`; results an
 them: `bench/RESULTS.md`. One JSON record per (case, implementation); a Markdown table goes to
 stdout and a plot (PNG) next to the JSON.
 
-The HF peer needs torch and transformers 5.23.0 (the ``[bench]`` extra); without them the run
-records the peer as skipped and goes on.
+The HF peer needs torch and transformers 5.23.0 (the ``[bench]`` extra), the JAX peer (MaxText's
+DeepSeek-V4 attention, ``maxtext-jax``) maxtext 0.2.5 (the ``[peers]`` extra, Python >= 3.12); a peer
+that does not import is recorded as unavailable (with the reason, in ``meta``) and the run goes on.
+``--peers`` picks them (default both).
 """
 
 from __future__ import annotations
@@ -263,8 +265,16 @@ def run(args, partial=None) -> tuple[list, dict]:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: expected a subset of {MODES}, got {bad}")
-    peer_reason = None if args.no_peer else peer_mod.available()
-    use_peer = not args.no_peer and peer_reason is None
+    wanted = () if args.no_peer else tuple(p for p in args.peers.split(",") if p)
+    unknown = [p for p in wanted if p not in peer_mod.NAMES]
+    if unknown:
+        raise SystemExit(f"--peers: expected a subset of {peer_mod.NAMES}, got {unknown}")
+    peer_reason = peer_mod.available() if PEER in wanted else ("--no-peer" if args.no_peer else "not in --peers")
+    use_peer = PEER in wanted and peer_reason is None
+    mt_name = peer_mod.MAXTEXT
+    mt_reason = (peer_mod.maxtext().available() if mt_name in wanted
+                 else ("--no-peer" if args.no_peer else "not in --peers"))
+    use_mt = mt_name in wanted and mt_reason is None
     cases = plan_mod.build_plan(
         args.size, args.quick, platform, layers=tuple(args.layers.split(",")), modes=modes, peer=use_peer,
         batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
@@ -278,7 +288,8 @@ def run(args, partial=None) -> tuple[list, dict]:
     meta = {"size": args.size, "quick": args.quick, "dtype": dtype.name, "argv": sys.argv[1:],
             "check_finite": dsv4_jax.validation.CHECK_FINITE,
             "config": {k: v for k, v in cfg.__dict__.items() if k != "layer_types"},
-            "peer_unavailable": None if use_peer else (peer_reason or "--no-peer")}
+            "peer_unavailable": None if use_peer else (peer_reason or "--no-peer"),
+            "maxtext_unavailable": None if use_mt else mt_reason}
 
     # Command buffers first: the child process must find the GPU's memory free.
     if platform == "gpu" and args.cmdbuf:
@@ -299,18 +310,27 @@ def run(args, partial=None) -> tuple[list, dict]:
             torch.set_num_threads(args.torch_threads)
         meta["peer_versions"] = peer_mod.versions()
         meta["peer_topk"] = "stock torch.topk (the layer alone is timed; rotary + mask built outside the timer)"
+    if use_mt:
+        meta["maxtext_versions"] = peer_mod.maxtext().versions()
+        meta["maxtext_attention"] = "dot_product (dense [B, H, S, S+C] logits and masks; see bench/peer_maxtext.py)"
     if platform == "gpu" and args.ceilings:
         meta["ceilings"] = measure_ceilings()
 
-    total = sum(len(c.modes) + (1 if c.peer else 0) for c in cases)
+    total = sum(len(c.modes) + (1 if c.peer else 0) + (1 if use_mt else 0) for c in cases)
     prog = Progress(total, enabled=not args.no_progress)
     records = []
     torch_device = "cuda" if platform == "gpu" else "cpu"
-    runs, peers = {}, {}
+    runs, peers, mts = {}, {}, {}
 
     def layer_objects(layer):
         if layer not in runs:
             runs[layer] = measure.JaxRun(cfg, layer, dtype, seed=args.seed, prefix_chunk=plan_mod.JAX_PREFIX_CHUNK)
+            if use_mt:
+                mts[layer] = peer_mod.maxtext().MaxTextPeer(cfg, args.size, layer, runs[layer].attn, dtype.name,
+                                                            platform, args.maxtext_mem_gb)
+                if platform == "gpu" and args.maxtext_flash_probe:
+                    meta.setdefault("maxtext_flash_probe", {})[layer] = peer_mod.maxtext().probe_flash(
+                        cfg, args.size, layer, runs[layer].attn, dtype.name)
             peers[layer] = None
             if use_peer and any(c.peer and PEER not in c.skip for c in cases if c.layer == layer):
                 from dsv4_jax.weights import export_hf_attention_weights
@@ -378,6 +398,29 @@ def run(args, partial=None) -> tuple[list, dict]:
             add_floor(rec, cfg, case, jr.weight_bytes, dtype.itemsize, platform)
             case_records[PEER] = rec
             prog.step(f"{case.key} {PEER}")
+        # The JAX peer (MaxText), same inputs; where it cannot run, the record says why.
+        if use_mt:
+            rec = base_record(args, env, cfg, case, mt_name, dtype.name)
+            rec["loadavg_1m"] = load
+            want_picks = case.picks_check and case.layer == "csa" and case.scenario == "prefill"
+            try:
+                res = mts[case.layer].run_case(case, inputs, want_picks=want_picks)
+                for k in ("setup_s", "peak_source", "memory_by_step_gb", "skipped"):
+                    rec[k] = res.get(k)
+                if rec["skipped"]:
+                    rec["compile_s"], rec["peak_gb"] = res.get("compile_s"), res.get("peak_gb")
+                else:
+                    fill_timings(rec, res, case)
+                    results[mt_name] = res
+                    if "picks" in res and "none" in results:
+                        ours_picks = jr.picks(case, "none", dev_inputs, snap)
+                        rec["picks_set_overlap_vs_none"] = measure.picks_overlap(res["picks"], ours_picks)
+            except Exception as err:
+                rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            rec.update({"maxtext_" + k: v for k, v in (meta.get("maxtext_versions") or {}).items()})
+            add_floor(rec, cfg, case, jr.weight_bytes, dtype.itemsize, platform)
+            case_records[mt_name] = rec
+            prog.step(f"{case.key} {mt_name}")
         # Agreement with mode none (outputs of the timed sequences), and ours / HF.
         ref = results.get("none", {}).get("outs")
         for mode, rec in case_records.items():
@@ -387,9 +430,15 @@ def run(args, partial=None) -> tuple[list, dict]:
                 rec["out_scale"] = measure.ref_scale(ref)
         metric = "prefill_ms" if case.scenario == "prefill" else "decode_ms_median"
         hf = case_records.get(PEER, {}).get(metric)
+        mt = case_records.get(mt_name, {}).get(metric)
         for mode, rec in case_records.items():
-            if mode != PEER and hf and rec.get(metric):
+            if mode not in (PEER, mt_name) and hf and rec.get(metric):
                 rec["ours_over_hf"] = rec[metric] / hf
+            if mode not in (PEER, mt_name) and mt and rec.get(metric):
+                rec["ours_over_maxtext"] = rec[metric] / mt
+        if mt_name in results and results.get(PEER, {}).get("outs"):
+            case_records[mt_name]["max_abs_diff_vs_hf"] = measure.max_abs_diff(results[mt_name]["outs"],
+                                                                               results[PEER]["outs"])
         records.extend(case_records.values())
         del snap, dev_inputs, results
         if partial is not None:  # survive a cut-off run: the records so far are on disk
@@ -420,12 +469,20 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--layers", default="csa,hca")
     ap.add_argument("--batches", default=None, help="comma list, overrides the plan's batch sizes")
-    ap.add_argument("--scenarios", default=None, help="comma list of decode_pr,decode_long,prefill")
+    ap.add_argument("--scenarios", default=None,
+                    help="comma list of decode_pr,decode_long,prefill; or of stack_decode,stack_prefill "
+                         "(N layers in one jax.jit: handed to bench/stack.py with the other arguments)")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-finite", choices=("true", "host", "false"), default="true",
                     help="the layer's non-finite input check (default: true, the layer's default)")
-    ap.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--no-peer", action="store_true", help="skip every peer")
+    ap.add_argument("--peers", default="hf-torch,maxtext-jax",
+                    help="comma list of peers: hf-torch (transformers, PyTorch), maxtext-jax (MaxText 0.2.5)")
+    ap.add_argument("--maxtext-mem-gb", type=float, default=None,
+                    help="memory MaxText's compiled step may use (default: 8 on CPU, JAX's free pool on GPU)")
+    ap.add_argument("--maxtext-flash-probe", action=argparse.BooleanOptionalAction, default=True,
+                    help="GPU: record whether MaxText's attention='flash' runs a prefill (it refuses sinks)")
     ap.add_argument("--hf-mem-gb", type=float, default=None, help="cap of HF's estimated peak memory")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads for the peer (default: torch's own choice)")
@@ -437,6 +494,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="print the tables of an earlier run's JSON (no measurement)")
+    args, _ = ap.parse_known_args(argv)
+    if args.scenarios and all(sc.startswith("stack_") for sc in args.scenarios.split(",")):
+        from bench import stack  # the stack scenarios: bench/stack.py takes the whole command line
+
+        return stack.main(sys.argv[1:] if argv is None else list(argv))
     args = ap.parse_args(argv)
 
     if args.render:

@@ -64,6 +64,21 @@ def unrolled(op, unroll: int):
     return jax.jit(program)
 
 
+DEVICE_TIME = False  # --device-time: also trace each program (bench/kernel_profile.py)
+
+
+def device_time(fn, args, unroll: int) -> dict:
+    """Kernel time per operation from JAX's profiler: what the device spends, without the gaps
+    between kernels and the program's launch (the wall-clock median includes both)."""
+    from bench import kernel_profile
+
+    summary = kernel_profile.profile(lambda: jax.block_until_ready(fn(*args)), 5, "/tmp/dsv4_topk_profile")
+    return {"device_us_per_op": summary["busy_us_per_step"] / unroll,
+            "kernels_per_op": summary["kernels_per_step"] / unroll,
+            "device_top_ops": [{k: r[k] for k in ("op", "us_per_step", "kernels_per_step", "kernel_names")}
+                               for r in summary["rows"][:4]]}
+
+
 def time_variants(case: str, variants: dict, args: tuple, unroll: int, repeats: int, fields: dict) -> list[dict]:
     """Time each variant's unrolled program on `args`; picks compared with the first variant's."""
     ref = None
@@ -79,7 +94,8 @@ def time_variants(case: str, variants: dict, args: tuple, unroll: int, repeats: 
         out.append({"case": case, "variant": name, **fields, "unroll": unroll,
                     "us_per_op_median": 1e6 * statistics.median(times) / unroll,
                     "us_per_op_min": 1e6 * min(times) / unroll, "repeats": repeats,
-                    "picks_equal": bool(np.array_equal(picks, ref))})
+                    "picks_equal": bool(np.array_equal(picks, ref)),
+                    **(device_time(fn, args, unroll) if DEVICE_TIME else {})})
     return out
 
 
@@ -119,7 +135,12 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--device-time", action="store_true",
+                    help="also trace each program: kernel time per op (set XLA_FLAGS="
+                         "--xla_enable_command_buffers_during_profiling=true to keep CUDA graphs)")
     args = ap.parse_args(argv)
+    global DEVICE_TIME
+    DEVICE_TIME = args.device_time
     records = []
     if args.quick:
         records += topk_case(rows=8, slots=2048, k=64, unroll=4, repeats=5)
@@ -143,7 +164,9 @@ def main(argv=None) -> None:
             continue
         shape = (f"{r['rows']}x{r['slots']} k={r['top_k']}" if r["case"] == "topk"
                  else f"B={r['batch']} T={r['slots']} {r['dtype']}")
-        print(f"{r['case']:7} {r['variant']:14} {shape:28} {r['us_per_op_median']:9.1f}  {r['picks_equal']}")
+        dev_us = f"  device {r['device_us_per_op']:.1f} us in {r['kernels_per_op']:.1f} kernels" \
+            if "device_us_per_op" in r else ""
+        print(f"{r['case']:7} {r['variant']:14} {shape:28} {r['us_per_op_median']:9.1f}  {r['picks_equal']}{dev_us}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 

@@ -5,7 +5,10 @@
 //   ScoreKernel  one block per (query row, tile of 64 entries); the row's queries live in
 //                shared memory as float32, each thread scores one entry: 64 head dots over c
 //                channels, relu, scale, head weight, sum (the reference's order per head).
-//   TopkKernel   one block per query row: a 4-pass radix select (8 bits a pass) finds the
+//   ScoreKernelTc  the same scores for bfloat16 inputs with heads and dim multiples of 16, on the
+//                tensor cores (wmma m16n16k16, float32 accumulation): see the kernel.
+//   TopkKernel   one block per query row (its keys staged in shared memory up to 32k slots):
+//                a 4-pass radix select (8 bits a pass) finds the
 //                K-th largest score key; the entries above it, and the lowest-index entries
 //                equal to it (a block prefix scan in index order), are the picks; a bitonic
 //                sort of (score key, complemented index) orders them. Every candidate's sort
@@ -15,10 +18,13 @@
 #include <Python.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 #include "python_module.h"
@@ -130,6 +136,91 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
   out[t] = total == 0.0f ? 0.0f : total;  // fold -0.0 into +0.0: ties must compare equal
 }
 
+// Tensor-core scoring (bfloat16 queries and keys, heads and dim multiples of 16): each warp
+// scores 16 entries against every head with m16n16k16 bf16 MMAs accumulating in float32 (the
+// products of bf16 values are exact in float32; only the summation order differs from the FMA
+// kernel, ~1e-7 relative), then folds relu, scale and the head weights per entry in head order.
+// A block stages the row's queries once and scores `tiles` consecutive tiles of kTcEntries
+// entries (more tiles per block when there are many rows: fewer reloads of the queries).
+// grid (rows * seq, ceil(slots / (kTcEntries * tiles))), block kTcWarps * 32.
+constexpr int kTcWarps = 4;
+constexpr int kTcEntries = 16 * kTcWarps;
+constexpr int kTcPad = 4;  // acc row stride heads + 4 floats: the per-entry head sums avoid bank conflicts
+
+size_t TcSharedBytes(int heads, int dim) {
+  // q [heads, dim] bf16 | k [kTcEntries, dim] bf16 | acc [kTcEntries, heads + pad] f32 | w [heads] f32
+  auto up = [](size_t n) { return (n + 127) / 128 * 128; };
+  return up(sizeof(__nv_bfloat16) * heads * dim) + up(sizeof(__nv_bfloat16) * kTcEntries * dim) +
+         up(sizeof(float) * kTcEntries * (heads + kTcPad)) + up(sizeof(float) * heads);
+}
+
+__global__ void ScoreKernelTc(const __nv_bfloat16* __restrict__ queries, const float* __restrict__ weights,
+                              const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ visible,
+                              float* __restrict__ scores, int64_t seq, int heads, int dim, int64_t slots,
+                              float scale, int tiles) {
+  namespace wmma = nvcuda::wmma;
+  extern __shared__ __align__(128) unsigned char tc_smem[];
+  auto up = [](size_t n) { return (n + 127) / 128 * 128; };
+  __nv_bfloat16* q = reinterpret_cast<__nv_bfloat16*>(tc_smem);
+  __nv_bfloat16* k = reinterpret_cast<__nv_bfloat16*>(tc_smem + up(sizeof(__nv_bfloat16) * heads * dim));
+  float* acc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(k) + up(sizeof(__nv_bfloat16) * kTcEntries * dim));
+  float* w = acc + up(sizeof(float) * kTcEntries * (heads + kTcPad)) / sizeof(float);
+  const int ld_acc = heads + kTcPad;
+  const int64_t row = blockIdx.x;  // b * seq + s
+  const int64_t b = row / seq;
+  const int64_t n_visible = VisibleCount(visible[row], slots);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int vec_per_entry = dim / 8;
+
+  // Stage the row's queries and head weights once (16-byte loads).
+  const uint4* q_src = reinterpret_cast<const uint4*>(queries + row * heads * dim);
+  for (int v = tid; v < heads * dim / 8; v += blockDim.x) reinterpret_cast<uint4*>(q)[v] = q_src[v];
+  for (int i = tid; i < heads; i += blockDim.x) w[i] = weights[row * heads + i];
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int64_t t0 = (static_cast<int64_t>(blockIdx.y) * tiles + tile) * kTcEntries;
+    if (t0 >= slots) break;  // uniform across the block
+    __syncthreads();  // the previous tile's k and acc are consumed (and, first, q and w are staged)
+    for (int v = tid; v < kTcEntries * vec_per_entry; v += blockDim.x) {  // zeros past the row's slots
+      const int e = v / vec_per_entry, c = v % vec_per_entry;
+      const int64_t t = t0 + e;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (t < slots) val = reinterpret_cast<const uint4*>(keys + (b * slots + t) * dim)[c];
+      reinterpret_cast<uint4*>(k)[v] = val;
+    }
+    __syncthreads();
+
+    // acc[e, h] = k[e] . q[h] for this warp's 16 entries, 16 heads at a time.
+    const __nv_bfloat16* k_warp = k + warp * 16 * dim;
+    for (int h0 = 0; h0 < heads; h0 += 16) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+      wmma::fill_fragment(c, 0.0f);
+      for (int d0 = 0; d0 < dim; d0 += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> bq;
+        wmma::load_matrix_sync(a, k_warp + d0, dim);         // [16 entries, 16 dims]
+        wmma::load_matrix_sync(bq, q + h0 * dim + d0, dim);  // [16 dims, 16 heads], q row-major by head
+        wmma::mma_sync(c, a, bq, c);
+      }
+      wmma::store_matrix_sync(acc + warp * 16 * ld_acc + h0, c, ld_acc, wmma::mem_row_major);
+    }
+    __syncwarp();
+    if (lane < 16) {
+      const int64_t t = t0 + warp * 16 + lane;
+      if (t < slots) {
+        float total = -INFINITY;
+        if (t < n_visible) {
+          const float* a_row = acc + (warp * 16 + lane) * ld_acc;
+          total = 0.0f;
+          for (int h = 0; h < heads; ++h) total += __fmul_rn(__fmul_rn(fmaxf(a_row[h], 0.0f), scale), w[h]);
+          total = total == 0.0f ? 0.0f : total;  // fold -0.0 into +0.0: ties must compare equal
+        }
+        scores[row * slots + t] = total;
+      }
+    }
+  }
+}
+
 // Exclusive prefix count of `flag` over the block in thread order; `total` gets the block's sum.
 // Every thread of the block must call it (it holds two barriers).
 __device__ __forceinline__ uint32_t BlockExclusiveCount(bool flag, uint32_t* warp_counts, uint32_t* total) {
@@ -161,10 +252,27 @@ __device__ __forceinline__ void LoadKeyBatch(const float* __restrict__ row, int6
   }
 }
 
-// grid (rows * seq), block kTopkThreads, shared sort_size uint64.
+// The same batch from the row's keys staged in shared memory.
+__device__ __forceinline__ void LoadKeyBatch(const uint32_t* staged, int64_t base, int64_t stride, int64_t n,
+                                             uint32_t (&keys)[kLoadBatch]) {
+#pragma unroll
+  for (int j = 0; j < kLoadBatch; ++j) {
+    const int64_t i = base + j * stride + threadIdx.x;
+    keys[j] = i < n ? staged[i] : 0u;
+  }
+}
+
+// Rows up to this many slots are read from global memory once, into shared memory, and the
+// five passes over the row (four radix passes and the gather) read them there.
+constexpr int64_t kMaxStagedSlots = 32768;
+
+// grid (rows * seq), block kTopkThreads, shared sort_size uint64 (+ slots uint32 when kStaged).
+template <bool kStaged>
 __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __restrict__ visible,
                            int32_t* __restrict__ picks, int64_t slots, int top_k, int sort_size) {
-  extern __shared__ uint64_t cand[];  // [sort_size] composite keys of the candidates
+  extern __shared__ __align__(16) unsigned char topk_smem[];
+  uint64_t* cand = reinterpret_cast<uint64_t*>(topk_smem);  // [sort_size] composite keys of the candidates
+  uint32_t* staged = reinterpret_cast<uint32_t*>(cand + sort_size);  // kStaged: [n] ordered keys of the row
   __shared__ uint32_t hist[256];
   __shared__ uint32_t warp_counts[kTopkThreads / 32];
   __shared__ uint32_t chosen_bin, above_bin, equal_count, slot_counter;
@@ -182,12 +290,24 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
     // Radix select: after the four passes, `prefix` is the key of the K-th largest score and
     // `need` the number of entries with exactly that key that belong to the top K.
     uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(top_k);
+    if constexpr (kStaged) {
+      for (int64_t base = 0; base < n; base += batch_span) {
+        uint32_t keys[kLoadBatch];
+        LoadKeyBatch(s, base, stride, n, keys);
+#pragma unroll
+        for (int j = 0; j < kLoadBatch; ++j) {
+          const int64_t i = base + j * stride + tid;
+          if (i < n) staged[i] = keys[j];
+        }
+      }
+      __syncthreads();
+    }
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += stride) hist[i] = 0;
       __syncthreads();
       for (int64_t base = 0; base < n; base += batch_span) {  // uniform trip count: all lanes vote
         uint32_t keys[kLoadBatch];
-        LoadKeyBatch(s, base, stride, n, keys);
+        if constexpr (kStaged) LoadKeyBatch(staged, base, stride, n, keys); else LoadKeyBatch(s, base, stride, n, keys);
 #pragma unroll
         for (int j = 0; j < kLoadBatch; ++j) {
           const int64_t i = base + j * stride + tid;
@@ -238,7 +358,7 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
     uint32_t eq_seen = 0;
     for (int64_t base = 0; base < n; base += batch_span) {
       uint32_t keys[kLoadBatch];
-      LoadKeyBatch(s, base, stride, n, keys);
+      if constexpr (kStaged) LoadKeyBatch(staged, base, stride, n, keys); else LoadKeyBatch(s, base, stride, n, keys);
 #pragma unroll
       for (int j = 0; j < kLoadBatch; ++j) {
         const int64_t i = base + j * stride + tid;
@@ -295,14 +415,45 @@ ffi::Error LaunchTopk(cudaStream_t stream, const float* scores, const int32_t* v
                                        " is above the kernel's limit of " + std::to_string(kMaxSortSize));
   }
   const int sort_size = SortSize(d.top_k);
-  TopkKernel<<<static_cast<unsigned>(d.rows * d.seq), kTopkThreads, sort_size * sizeof(uint64_t), stream>>>(
-      scores, visible, picks, d.slots, static_cast<int>(d.top_k), sort_size);
+  const unsigned blocks = static_cast<unsigned>(d.rows * d.seq);
+  const size_t cand_bytes = sort_size * sizeof(uint64_t);
+  if (d.slots <= kMaxStagedSlots) {
+    const size_t shared = cand_bytes + d.slots * sizeof(uint32_t);
+    if (shared > 48 * 1024 && cudaFuncSetAttribute(TopkKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(shared)) != cudaSuccess) {
+      return ffi::Error::Internal("dsv4 select_topk (CUDA): cannot reserve shared memory for the staged top-k");
+    }
+    TopkKernel<true><<<blocks, kTopkThreads, shared, stream>>>(scores, visible, picks, d.slots,
+                                                               static_cast<int>(d.top_k), sort_size);
+  } else {
+    TopkKernel<false><<<blocks, kTopkThreads, cand_bytes, stream>>>(scores, visible, picks, d.slots,
+                                                                    static_cast<int>(d.top_k), sort_size);
+  }
   return ffi::Error::Success();
 }
 
 template <typename In>
 ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* weights, const void* keys,
                         const int32_t* visible, float* scores, const SelectDims& d) {
+  const float scale = static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));
+  if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+    if (d.heads % 16 == 0 && d.dim % 16 == 0) {  // the tensor-core path
+      const size_t tc_shared = TcSharedBytes(static_cast<int>(d.heads), static_cast<int>(d.dim));
+      if (tc_shared > 48 * 1024 &&
+          cudaFuncSetAttribute(ScoreKernelTc, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(tc_shared)) != cudaSuccess) {
+        return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
+      }
+      // Enough blocks to fill the card (~4 per SM of an H200), each as many tiles as that allows (<= 8).
+      const int64_t rows = d.rows * d.seq, tiles_total = (d.slots + kTcEntries - 1) / kTcEntries;
+      const int tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, rows * tiles_total / 528)));
+      const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((tiles_total + tiles - 1) / tiles));
+      ScoreKernelTc<<<grid, kTcWarps * 32, tc_shared, stream>>>(
+          static_cast<const __nv_bfloat16*>(queries), weights, static_cast<const __nv_bfloat16*>(keys), visible,
+          scores, d.seq, static_cast<int>(d.heads), static_cast<int>(d.dim), d.slots, scale, tiles);
+      return ffi::Error::Success();
+    }
+  }
   const size_t shared = static_cast<size_t>(d.heads * d.dim + d.heads) * sizeof(float);
   const bool fast = d.heads == kFastHeads && d.dim % 8 == 0;
   auto kernel = fast ? ScoreKernel<In, kFastHeads> : ScoreKernel<In, 0>;
@@ -313,7 +464,6 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
     }
   }
   const dim3 grid(static_cast<unsigned>(d.rows * d.seq), static_cast<unsigned>((d.slots + kScoreThreads - 1) / kScoreThreads));
-  const float scale = static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));
   kernel<<<grid, kScoreThreads, shared, stream>>>(static_cast<const In*>(queries), weights, static_cast<const In*>(keys),
                                                   visible, scores, d.seq, static_cast<int>(d.heads),
                                                   static_cast<int>(d.dim), d.slots, scale);

@@ -102,6 +102,24 @@ def test_select_topk_matches_the_xla_twin(dtype, zero_heads, graph):
 
 
 @needs_native
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_select_topk_at_indexer_sizes_in_bf16(graph):
+    """V4's indexer shape (64 heads x 128; the CUDA handler scores bf16 on the tensor cores):
+    scores within float32 summation-order rounding of the XLA twin's, and the picks exactly
+    the reference top-k of those scores (tie rule included)."""
+    rng = np.random.default_rng(5)
+    args = random_selection_inputs(rng, jnp.bfloat16, batch=3, seq=2, heads=64, dim=128, slots=700)
+    want_scores = indexer.select_topk(*args, top_k=64, with_scores=True)[1]
+    picks, scores = jax.jit(lambda *a: native.select_topk(*a, top_k=64, graph=graph))(*args)
+    scores, want_scores = np.asarray(scores), np.asarray(want_scores)
+    seen = np.isfinite(want_scores)
+    np.testing.assert_array_equal(np.isfinite(scores), seen)
+    scale = np.abs(want_scores[seen]).max()
+    assert np.abs(scores[seen] - want_scores[seen]).max() < 1e-5 * scale
+    np.testing.assert_array_equal(np.asarray(picks), reference_picks(scores, np.asarray(args[3]), 64))
+
+
+@needs_native
 def test_select_topk_under_vmap_and_grad():
     rng = np.random.default_rng(5)
     q, w, keys, visible = random_selection_inputs(rng, jnp.float32)

@@ -1,0 +1,488 @@
+"""The number a model cares about: N attention layers inside one `jax.jit`, decode and prefill.
+
+    python bench/stack.py --size flash --json $OUT/stack.json                 # the H200 run
+    python bench/stack.py --size tiny --quick --json /tmp/stack.json          # seconds, CPU smoke
+    python bench/run.py --scenarios stack_decode,stack_prefill ...            # the same, via run.py
+    python bench/stack.py --render bench/results/<run>.json                   # tables of a past run
+
+What is timed is the raw compiled step of a *stack*: ``h = h + attention_step(layer_i, h)``
+for each layer, all in one program (residual adds keep the layers sequential), the caches
+donated, no module call (that overhead is measured separately: ``--call-overhead``). Stacks:
+
+``mixed``  the first N compressed layers of the config in model order: V4-Flash's interleaving
+           CSA, HCA, CSA, HCA, ... (N = 4 by default); ``layer_type`` "CSA+HCA".
+``csa``    N CSA layers; ``hca``: N HCA layers (the per-type numbers of the issue's targets).
+
+Scenarios (records ``scenario``):
+
+``stack_decode``   one new token per row, B in ``--batches`` (1, 8, 32) at contexts in
+                   ``--contexts`` (2k, 16k, 64k). The caches start *synthetic*: every leaf drawn
+                   at random, ``length`` = context. Decoding from a random cache costs what
+                   decoding from a prefilled one costs (same shapes, same gathers; the indexer's
+                   picks are different but as many), and it takes seconds where prefilling 64k
+                   tokens x 32 rows x N layers would take minutes. Each repeat runs ``steps``
+                   steps back to back (as a model's decode loop does: dispatch overlaps the
+                   device) and is timed as a whole; ``per_layer_ms`` = median over repeats of
+                   (repeat time / steps / N). ``step_ms_blocking`` times single steps with a
+                   block after each (includes the dispatch latency).
+``stack_prefill``  one prompt of L tokens (``--prefills``: 4k, 16k) into empty caches, B = 1;
+                   median over repeats of whole calls.
+
+``floor_ms`` is per layer, the mean over the stack's layers of `bench/floor.py`'s floor (the
+same model as `bench/run.py`: bytes floor for decode, max(bytes, FLOPs) for prefill), and
+``ratio_to_floor`` = per_layer_ms / floor_ms. Compile time is measured apart (``compile_s``,
+the first call) and never part of a timing.
+
+``--profile B:CTX[,B:CTX]``: also trace the mixed stack's decode at those shapes with JAX's
+profiler (command buffers kept on) and record the device time per XLA operation
+(`bench/kernel_profile.py`) under ``meta["profiles"]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+if "--profile" in " ".join(sys.argv):  # must be in XLA_FLAGS before the backend starts
+    from bench.kernel_profile import PROFILING_FLAG
+
+    if PROFILING_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + PROFILING_FLAG).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import floor as floor_mod  # noqa: E402
+from bench import measure  # noqa: E402
+from bench import plan as plan_mod  # noqa: E402
+from dsv4_jax import attention as attention_mod  # noqa: E402
+from dsv4_jax.config import CSA, HCA  # noqa: E402
+
+STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
+FLOOR_LAYER = {CSA: "csa", HCA: "hca"}
+
+
+# ---------------------------------------------------------------------------- the stack
+def stack_config(size: str, n: int):
+    """The size's config, with V4-Flash's interleaving extended where it has too few layers
+    (the tiny and small configs have one layer of each type)."""
+    cfg = plan_mod.config_for(size)
+    if min(cfg.layer_types.count(CSA), cfg.layer_types.count(HCA)) < n:
+        cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:1] + (CSA, HCA) * n)
+    return cfg
+
+
+def stack_layer_indices(cfg, kind: str, n: int) -> list[int]:
+    """The first `n` layers of the config whose type belongs to the stack `kind`, in model order."""
+    idx = [i for i, t in enumerate(cfg.layer_types) if t in STACKS[kind]]
+    if len(idx) < n:
+        raise ValueError(f"--layers-per-stack: the config has {len(idx)} layers of stack {kind!r}, asked for {n}")
+    return idx[:n]
+
+
+def stack_step(weights, caches, hidden_states, positions, specs):
+    """N layers in one program: ``h = h + attention(layer_i, h)``; returns (h, new caches)."""
+    h = hidden_states
+    new_caches = []
+    for w, cache, spec in zip(weights, caches, specs):
+        out, cache, _ = attention_mod.attention_step(w, cache, h, positions, spec)
+        h = h + out
+        new_caches.append(cache)
+    return h, new_caches
+
+
+STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("caches",))
+
+
+class Stack:
+    """The layers of one stack (random weights, as `bench/run.py`'s), their specs and weights."""
+
+    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str):
+        self.cfg, self.kind, self.dtype = cfg, kind, jnp.dtype(dtype)
+        self.indices = stack_layer_indices(cfg, kind, n)
+        self.layers = []
+        for i in self.indices:
+            attn = measure.build_layer(cfg, i, self.dtype, seed + i)
+            plan_mod.apply_mode(attn, mode)
+            self.layers.append(attn)
+        self.specs = tuple(a.step_spec() for a in self.layers)
+        self.weights = [a.weights() for a in self.layers]
+        self.weight_bytes = [measure.weight_bytes(a) for a in self.layers]
+        types = [a.layer_type for a in self.layers]
+        self.layer_type = "+".join(plan_mod.SHORT[t] for t in dict.fromkeys(types))
+
+    def empty_caches(self, batch: int, max_seq_len: int):
+        return [a.init_cache(batch, max_seq_len).replace(layer_idx=-1) for a in self.layers]
+
+    def synthetic_caches(self, batch: int, max_seq_len: int, context: int, seed: int):
+        """Caches as after `context` tokens: every leaf random (see the module docstring)."""
+        key = jax.random.PRNGKey(seed)
+        out = []
+        for cache in self.empty_caches(batch, max_seq_len):
+            leaves, tree = jax.tree.flatten(cache.replace(length=None))
+            keys = jax.random.split(key, len(leaves) + 1)
+            key = keys[0]
+            leaves = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys[1:], leaves)]
+            filled = jax.tree.unflatten(tree, leaves)
+            out.append(filled.replace(length=jnp.full((batch,), context, jnp.int32)))
+        return jax.block_until_ready(out)
+
+    def floor(self, batch: int, start: int, new_tokens: int) -> dict:
+        """The per-layer floor: the mean of the layers' floors (bench/floor.py)."""
+        floors = [floor_mod.floor(self.cfg, FLOOR_LAYER[a.layer_type], batch, start, new_tokens, wb,
+                                  self.dtype.itemsize)
+                  for a, wb in zip(self.layers, self.weight_bytes)]
+        return {"floor_ms": float(np.mean([f["floor_ms"] for f in floors])),
+                "floor_bytes": float(np.mean([f["floor_bytes"] for f in floors])),
+                "floor_flops": float(np.mean([f["floor_flops"] for f in floors])),
+                "floor_bound": "/".join(sorted({f["floor_bound"] for f in floors}))}
+
+
+def _round_up(n: int, to: int = 128) -> int:
+    return max(to, int(math.ceil(n / to) * to))
+
+
+def _hidden(cfg, batch: int, seq: int, dtype, seed: int):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((batch, seq, cfg.hidden_size), dtype=np.float32)).astype(dtype)
+
+
+def _positions(batch: int, start: int, n: int):
+    return jnp.asarray(np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (batch, n)))
+
+
+# ---------------------------------------------------------------------------- timings
+def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int, seed: int) -> dict:
+    """Decode timings of the stack at (batch, context); see the module docstring."""
+    warm = 2
+    total = warm + repeats * steps + steps  # warm-up, pipelined repeats, one blocking repeat
+    max_seq_len = _round_up(context + total)
+    caches = stack.synthetic_caches(batch, max_seq_len, context, seed)
+    x = _hidden(stack.cfg, batch, 1, stack.dtype, seed)
+    pos = context
+    clock = measure.compile_clock()
+    clock.start()
+    t0 = time.perf_counter()
+    for _ in range(warm):
+        h, caches = STACK_STEP(stack.weights, caches, x, _positions(batch, pos, 1), specs=stack.specs)
+        pos += 1
+    jax.block_until_ready((h, caches))
+    first_s = time.perf_counter() - t0
+    compile_s = clock.stop()
+    positions = [_positions(batch, context + i, 1) for i in range(total)]  # uploaded before timing
+    jax.block_until_ready(positions)
+    per_step = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            h, caches = STACK_STEP(stack.weights, caches, x, positions[pos - context], specs=stack.specs)
+            pos += 1
+        jax.block_until_ready((h, caches))
+        per_step.append((time.perf_counter() - t0) / steps)
+    blocking = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        h, caches = STACK_STEP(stack.weights, caches, x, positions[pos - context], specs=stack.specs)
+        jax.block_until_ready((h, caches))
+        blocking.append(time.perf_counter() - t0)
+        pos += 1
+    finite = bool(jnp.all(jnp.isfinite(h)))
+    n = len(stack.layers)
+    step_ms = 1e3 * float(np.median(per_step))
+    return {"step_ms": step_ms, "per_layer_ms": step_ms / n,
+            "per_layer_ms_repeats": [1e3 * t / n for t in per_step],
+            "step_ms_blocking": 1e3 * float(np.median(blocking)),
+            "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len,
+            "steps": steps, "repeats": repeats, "output_finite": finite,
+            **stack.floor(batch, context + warm + repeats * steps // 2, 1)}
+
+
+def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int) -> dict:
+    """Prefill timings: one prompt of `length` tokens into empty caches, whole calls."""
+    max_seq_len = _round_up(length)
+    x = _hidden(stack.cfg, batch, length, stack.dtype, seed)
+    pos = _positions(batch, 0, length)
+    clock = measure.compile_clock()
+    clock.start()
+    t0 = time.perf_counter()
+    h, _ = STACK_STEP(stack.weights, stack.empty_caches(batch, max_seq_len), x, pos, specs=stack.specs)
+    jax.block_until_ready(h)
+    first_s = time.perf_counter() - t0
+    compile_s = clock.stop()
+    times = []
+    for _ in range(repeats):
+        caches = jax.block_until_ready(stack.empty_caches(batch, max_seq_len))
+        t0 = time.perf_counter()
+        h, caches = STACK_STEP(stack.weights, caches, x, pos, specs=stack.specs)
+        jax.block_until_ready((h, caches))
+        times.append(time.perf_counter() - t0)
+        del caches
+    n = len(stack.layers)
+    step_ms = 1e3 * float(np.median(times))
+    return {"step_ms": step_ms, "per_layer_ms": step_ms / n, "per_layer_ms_repeats": [1e3 * t / n for t in times],
+            "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len, "repeats": repeats,
+            "output_finite": bool(jnp.all(jnp.isfinite(h))), **stack.floor(batch, 0, length)}
+
+
+def profile_decode(stack: Stack, batch: int, context: int, steps: int, seed: int, log_dir: str) -> dict:
+    """Device time per XLA operation of the stack's decode step (bench/kernel_profile.py)."""
+    from bench import kernel_profile
+
+    max_seq_len = _round_up(context + steps + 8)
+    state = {"caches": stack.synthetic_caches(batch, max_seq_len, context, seed), "pos": context}
+    x = _hidden(stack.cfg, batch, 1, stack.dtype, seed)
+
+    def run_once():
+        h, state["caches"] = STACK_STEP(stack.weights, state["caches"], x, _positions(batch, state["pos"], 1),
+                                        specs=stack.specs)
+        state["pos"] += 1
+        jax.block_until_ready(h)
+
+    summary = kernel_profile.profile(run_once, steps, log_dir, module_filter="stack_step")
+    compiled = STACK_STEP.lower(stack.weights, state["caches"], x, _positions(batch, state["pos"], 1),
+                                specs=stack.specs).compile()
+    kernel_profile.attach_sources(summary, compiled.as_text())
+    summary.update({"stack": stack.kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
+                    "batch": batch, "context_len": context})
+    return summary
+
+
+def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict:
+    """The module call against `jax.jit(attention_step)` on one CSA decode step (same inputs).
+
+    Both run the same compiled executable; the module call adds its input checks, parameter
+    gathering and host length mirror. Medians over `repeats` x `steps` single blocked calls."""
+    cfg = plan_mod.config_for(size)
+    attn = measure.build_layer(cfg, plan_mod.layer_index(cfg, "csa"), dtype, seed)
+    attn.break_mode = "none"
+    batch, context = 1, 64
+    x = _hidden(cfg, batch, context, jnp.dtype(dtype), seed)
+    max_seq_len = _round_up(context + repeats * steps + 8)
+    cache = attn.init_cache(batch, max_seq_len)
+    _, cache = attn(x, np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)), cache)
+    xs = _hidden(cfg, batch, 1, jnp.dtype(dtype), seed + 1)
+    spec = attn.step_spec()
+    step = attention_mod.step_function(attn.donate_cache)
+    raw_cache = measure.clone(cache).replace(length=jnp.asarray(cache.length), layer_idx=-1)
+    weights = attn.weights()
+    module_t, raw_t = [], []
+    pos = context
+    for _ in range(repeats):
+        for _ in range(steps):
+            p = np.full((batch, 1), pos, np.int32)
+            t0 = time.perf_counter()
+            out, cache = attn(xs, p, cache)
+            jax.block_until_ready(out)
+            module_t.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            out2, raw_cache, _ = step(weights, raw_cache, xs, p, spec=spec)
+            jax.block_until_ready(out2)
+            raw_t.append(time.perf_counter() - t0)
+            pos += 1
+    module_ms, raw_ms = 1e3 * float(np.median(module_t)), 1e3 * float(np.median(raw_t))
+    return {"scenario": "call_overhead", "size": size, "layer_type": "CSA", "batch": batch, "context_len": context,
+            "module_call_ms": module_ms, "jit_step_ms": raw_ms, "overhead_ms": module_ms - raw_ms,
+            "ratio": module_ms / raw_ms, "samples": len(module_t),
+            "max_abs_diff": float(jnp.max(jnp.abs(out.astype(jnp.float32) - out2.astype(jnp.float32))))}
+
+
+# ---------------------------------------------------------------------------- the run
+def environment() -> dict:
+    dev = jax.devices()[0]
+    import flax
+
+    return {"device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}", "platform": dev.platform,
+            "jax_version": jax.__version__, "flax_version": flax.__version__, "python": sys.version.split()[0],
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "date_utc": _dt.datetime.now(_dt.UTC).isoformat()}
+
+
+def run(args, write=None) -> tuple[list, dict]:
+    cfg = stack_config(args.size, args.layers_per_stack)
+    gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
+    env = environment()
+    meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
+            "stacks": args.stacks, **env}
+    records: list[dict] = []
+    scenarios = args.scenarios.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    prefills = [int(p) for p in args.prefills.split(",")] if args.prefills else []
+    for mode in args.modes.split(","):
+        for kind in args.stacks.split(","):
+            stack = Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, mode)
+            base = {"size": args.size, "stack": kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
+                    "layer_indices": stack.indices, "mode": mode, "dtype": dtype.name,
+                    "native_select": stack.specs[0].plan.native_select if CSA in STACKS[kind] else None,
+                    "weight_bytes_per_layer": float(np.mean(stack.weight_bytes)), **env}
+            jobs = []
+            if "stack_decode" in scenarios:
+                jobs += [("stack_decode", b, c) for c in contexts for b in batches]
+            if "stack_prefill" in scenarios:
+                jobs += [("stack_prefill", 1, p) for p in prefills]
+            for scenario, batch, length in jobs:
+                rec = {"scenario": scenario, "batch": batch,
+                       "context_len": length if scenario == "stack_decode" else None,
+                       "prompt_len": length if scenario == "stack_prefill" else None, **base,
+                       "error": None}
+                try:
+                    if scenario == "stack_decode":
+                        rec.update(time_decode(stack, batch, length, args.steps, args.repeats, args.seed))
+                    else:
+                        rec.update(time_prefill(stack, batch, length, max(1, args.repeats), args.seed))
+                    rec["ratio_to_floor"] = rec["per_layer_ms"] / rec["floor_ms"] if gpu else None
+                except Exception as err:
+                    rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                records.append(rec)
+                print(_line(rec), file=sys.stderr, flush=True)
+                if write:
+                    write(records, meta)
+            if args.profile and kind == "mixed" and "stack_decode" in scenarios:
+                meta.setdefault("profiles", [])
+                for item in args.profile.split(","):
+                    b, c = (int(v) for v in item.split(":"))
+                    try:
+                        prof = profile_decode(stack, b, c, args.profile_steps, args.seed,
+                                              os.path.join(args.profile_dir, f"{mode}_{kind}_B{b}_C{c}"))
+                        prof["mode"] = mode
+                        meta["profiles"].append(prof)
+                    except Exception as err:
+                        meta["profiles"].append({"mode": mode, "batch": b, "context_len": c,
+                                                 "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                    if write:
+                        write(records, meta)
+            del stack
+    if args.call_overhead:
+        records.append({**call_overhead(args.call_overhead_size, dtype if gpu else jnp.float32, args.steps,
+                                        max(args.repeats, 3), args.seed), **env})
+        print(_line(records[-1]), file=sys.stderr, flush=True)
+    return records, meta
+
+
+def _line(rec: dict) -> str:
+    if rec.get("scenario") == "call_overhead":
+        return (f"call_overhead {rec['size']}: module {rec['module_call_ms']:.3f} ms, jit step "
+                f"{rec['jit_step_ms']:.3f} ms, ratio {rec['ratio']:.2f}")
+    if rec.get("error"):
+        return f"{rec['scenario']} {rec['stack']} B{rec['batch']}: ERROR {rec['error']}"
+    length = rec["context_len"] or rec["prompt_len"]
+    ratio = rec.get("ratio_to_floor")
+    return (f"{rec['scenario']} {rec['mode']} {rec['stack']} B{rec['batch']} L{length}: "
+            f"{rec['per_layer_ms']:.3f} ms/layer (floor {rec['floor_ms']:.3f}"
+            + (f", x{ratio:.1f}" if ratio else "") + f"), compile {rec['compile_s']:.1f} s")
+
+
+def markdown(records: list, meta: dict) -> str:
+    """Tables of a run: per-layer time, floor and ratio per stack and shape, then the profiles."""
+    out = [f"Stack of {meta.get('n_layers')} layers in one jax.jit, {meta.get('size')}, {meta.get('dtype')}, "
+           f"{meta.get('device')}, jax {meta.get('jax_version')}", ""]
+    for scenario in ("stack_decode", "stack_prefill"):
+        rows = [r for r in records if r.get("scenario") == scenario]
+        if not rows:
+            continue
+        length = "ctx" if scenario == "stack_decode" else "prompt"
+        out += [f"### {scenario}", "",
+                f"| mode | stack | layer types | B | {length} | ms / layer | floor ms / layer | x floor | "
+                "blocking step ms | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("error"):
+                out.append(f"| {r['mode']} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
+                           f"{r['context_len'] or r['prompt_len']} | error: {r['error'][:80]} | | | | |")
+                continue
+            ratio = r.get("ratio_to_floor")
+            blocking = r.get("step_ms_blocking")
+            out.append(f"| {r['mode']} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
+                       f"{r['context_len'] or r['prompt_len']} | {r['per_layer_ms']:.3f} | {r['floor_ms']:.3f} | "
+                       f"{'' if ratio is None else f'{ratio:.1f}'} | "
+                       f"{'' if blocking is None else f'{blocking:.3f}'} | {r['compile_s']:.1f} |")
+        out.append("")
+    for r in records:
+        if r.get("scenario") == "call_overhead":
+            out.append(f"Module call vs `jax.jit(attention_step)` ({r['size']} CSA decode, B=1): "
+                       f"{r['module_call_ms']:.3f} vs {r['jit_step_ms']:.3f} ms, ratio {r['ratio']:.2f}, "
+                       f"overhead {r['overhead_ms']:.3f} ms ({r['samples']} calls each)")
+    if meta.get("profiles"):
+        from bench import kernel_profile
+
+        for prof in meta["profiles"]:
+            if prof.get("error"):
+                out.append(f"profile B{prof['batch']} ctx {prof['context_len']}: error {prof['error']}")
+                continue
+            out += ["", kernel_profile.markdown(
+                prof, title=f"**Profile** ({prof['mode']}, {prof['layer_type']} x{prof['n_layers']}, "
+                            f"B={prof['batch']}, ctx {prof['context_len']}):")]
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small", choices=("tiny", "small", "flash"))
+    ap.add_argument("--quick", action="store_true", help="one batch, one short context, few steps")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--modes", default="none", help="comma list of bench/plan.py modes (default: none)")
+    ap.add_argument("--stacks", default="mixed,csa,hca")
+    ap.add_argument("--layers-per-stack", type=int, default=4)
+    ap.add_argument("--scenarios", default="stack_decode,stack_prefill")
+    ap.add_argument("--batches", default=None, help="decode batches (default 1,8,32)")
+    ap.add_argument("--contexts", default=None, help="decode contexts (default 2048,16384,65536)")
+    ap.add_argument("--prefills", default=None, help="prefill lengths (default 4096,16384)")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps per repeat (default 16)")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats (default 5)")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None, metavar="B:CTX[,B:CTX]")
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--profile-dir", default="/tmp/dsv4_stack_profile")
+    ap.add_argument("--call-overhead", action="store_true", help="also time the module call vs the jitted step")
+    ap.add_argument("--call-overhead-size", default="tiny", choices=("tiny", "small", "flash"))
+    ap.add_argument("--render", default=None, metavar="JSON")
+    return ap
+
+
+def fill_defaults(args) -> None:
+    quick = args.quick or args.size == "tiny"
+    args.batches = args.batches or ("1" if quick else "1,8,32")
+    args.contexts = args.contexts or ("256" if quick else "2048,16384,65536")
+    args.prefills = args.prefills if args.prefills is not None else ("128" if quick else "4096,16384")
+    args.steps = args.steps or (4 if quick else 16)
+    args.repeats = args.repeats or (2 if quick else 5)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        print(markdown(data["records"], data["meta"]))
+        return 0
+    fill_defaults(args)
+    t0 = time.perf_counter()
+
+    def write(records, meta):
+        if args.json:
+            meta["wall_s"] = time.perf_counter() - t0
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=str))
+
+    records, meta = run(args, write)
+    write(records, meta)
+    print(markdown(records, meta))
+    errors = [r for r in records if r.get("error")]
+    return 1 if errors and len(errors) == len(records) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

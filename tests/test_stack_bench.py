@@ -1,0 +1,56 @@
+"""bench/stack.py: N layers in one jax.jit (issue 9's stack scenario), on the tiny config.
+
+A smoke test of the protocol and the records (timings are not asserted: they belong to the
+benchmark), and of the profile's attribution of kernels to the step's named stages.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import run as run_mod  # noqa: E402
+from bench import stack  # noqa: E402
+from dsv4_jax.config import CSA, HCA  # noqa: E402
+
+
+def test_stack_interleaves_the_configs_layer_types():
+    cfg = stack.stack_config("tiny", 4)
+    mixed = [cfg.layer_types[i] for i in stack.stack_layer_indices(cfg, "mixed", 4)]
+    assert mixed == [CSA, HCA, CSA, HCA]
+    assert {cfg.layer_types[i] for i in stack.stack_layer_indices(cfg, "csa", 4)} == {CSA}
+    with pytest.raises(ValueError, match="--layers-per-stack"):
+        stack.stack_layer_indices(cfg, "hca", 99)
+
+
+def test_stack_run_writes_records_and_a_profile_by_stage(tmp_path):
+    out = tmp_path / "stack.json"
+    # Through bench/run.py: the stack scenarios are handed to bench/stack.py.
+    rc = run_mod.main(["--size", "tiny", "--scenarios", "stack_decode,stack_prefill", "--stacks", "mixed",
+                       "--profile", "1:256", "--profile-steps", "2", "--profile-dir", str(tmp_path / "prof"),
+                       "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    records = data["records"]
+    assert {r["scenario"] for r in records} == {"stack_decode", "stack_prefill"}
+    for r in records:
+        assert r["error"] is None
+        assert r["layer_type"] == "CSA+HCA" and r["n_layers"] == 4
+        assert r["per_layer_ms"] > 0 and r["compile_s"] >= 0 and r["output_finite"]
+        assert r["per_layer_ms"] == pytest.approx(r["step_ms"] / 4)
+        assert r["floor_ms"] > 0
+    decode = next(r for r in records if r["scenario"] == "stack_decode")
+    assert decode["context_len"] == 256 and decode["step_ms_blocking"] > 0
+    (prof,) = data["meta"]["profiles"]
+    assert prof["busy_us_per_step"] > 0 and prof["rows"]
+    stages = {row["source"] for row in prof["by_source"]}
+    # The stages are jax.named_scopes of attention_step: the profile can name them.
+    assert {"sparse_attention", "compressor", "indexer_select"} <= stages
+    assert "stack_decode" in stack.markdown(records, data["meta"])
