@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # The JAX peer on the H200 (issue 14): MaxText 0.2.5's DeepSeek-V4 attention beside ours (mode
-# `none`) and HF transformers, V4-Flash sizes, bf16, B = 1, 8, 32, in one bench/run.py run.
+# `none`) and HF transformers 5.23.0, V4-Flash sizes, bf16, B = 1, 8, 32, in one bench/run.py run
+# per layer type.
 #
 #   here (internet):  bash bench/gpu_maxtext.sh --wheelhouse
-#                     -> build/peer_wheels (MaxText and its imports, 54 MB) and build/hf_wheels
-#                        (transformers 5.23.0 + regex, 14 MB; the HF peer)
-#   device, 1 call:   carry build/peer_wheels:  bash bench/gpu_maxtext.sh      (no HF peer unless
-#                     transformers is already there; the record says so)
-#   device, 2 calls:  carry build/peer_wheels:  bash bench/gpu_maxtext.sh --install-only
-#                     then carry build/hf_wheels: bash bench/gpu_maxtext.sh   (both peers; the
-#                     first call's install in build/peer_site stays on the warm machine)
+#       -> build/peer_wheels (MaxText and its imports, 34 wheels, 54.3 MB) and build/hf_wheels
+#          (transformers 5.23.0 + regex, 14.1 MB; the box's own transformers 5.17 fails in bf16)
+#   device (both wheel folders and the tree exceed the 64 MiB a call carries; the install goes
+#   to build/peer_site, which stays on the warm machine between calls):
+#       1. carry build/peer_wheels:  bash bench/gpu_maxtext.sh --install-only        (~40 s)
+#       2. carry build/hf_wheels:    LAYERS=csa bash bench/gpu_maxtext.sh            (~5.5 min)
+#       3.                           LAYERS=hca bash bench/gpu_maxtext.sh            (~5 min)
+#       4. optional:                 bash bench/gpu_maxtext.sh --tests   (the float32 agreement
+#          tests on the box's CPU, live HF included)
+#   Records: $OUT/h200_flash_maxtext_<layers>.{json,log}; without build/hf_wheels the HF peer is
+#   whatever transformers the box has (recorded), and a call past its time keeps the records so far.
 #
-# Both wheel folders plus the working tree exceed the 64 MiB a call carries (xprof, which
-# tokamax imports, is 32 MB), hence the split. The device has Python 3.12, jax 0.11.2, flax
-# 0.12.10, torch and no internet: the packages (maxtext's wheel declares no dependencies, so its
-# imports are listed here, as in the `[peers]` extra, pinned to the versions tested) go into a
-# target folder on PYTHONPATH without dependency resolution (what jax/flax/torch bring is not
-# carried). If maxtext does not import, the run records why and goes on without it.
+# The device has Python 3.12, jax 0.11.2, flax 0.12.10, torch and no internet: the packages
+# (maxtext's wheel declares no dependencies, so its imports are listed here, as in the `[peers]`
+# extra, pinned to the versions tested) go into a target folder on PYTHONPATH without dependency
+# resolution (what jax/flax/torch bring is not carried). If maxtext does not import, the run
+# records why and goes on without it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 PEER_WHEELS=${PEER_WHEELS:-build/peer_wheels}
@@ -49,9 +53,10 @@ fi
 t0=$(date +%s)
 for group in PEER HF; do  # install what was carried (a group already installed stays installed)
   dir=${group}_WHEELS; dir=${!dir}; pk=${group}_PKGS[@]
+  [ -f "$SITE/.installed_$group" ] && { echo "$group: installed earlier"; continue; }
   [ -d "$dir" ] || { echo "$group wheels: $dir not carried"; continue; }
-  python3 -m pip install -q --no-index --no-deps --find-links "$dir" --target "$SITE" "${!pk}" \
-    >>"$OUT/peer_install.log" 2>&1; echo "$group install rc=$?"
+  python3 -m pip install -q --upgrade --no-index --no-deps --find-links "$dir" --target "$SITE" "${!pk}" \
+    >>"$OUT/peer_install.log" 2>&1 && touch "$SITE/.installed_$group"; echo "$group install rc=$?"
 done
 echo "install: $(( $(date +%s) - t0 )) s, $(du -sh "$SITE" 2>/dev/null | cut -f1)"
 [ "${1:-}" = "--install-only" ] && exit 0
@@ -62,17 +67,17 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 python3 -c "from bench import peer_maxtext as p; print('maxtext peer:', p.available() or 'ok', p.versions())" \
   2>&1 | grep -v "NO-OP" | tail -3
 
+if [ "${1:-}" = "--tests" ]; then  # the float32 agreement tests on this box's CPU (live HF here)
+  JAX_PLATFORMS=cpu timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/test_maxtext_peer.py \
+    >"$OUT/maxtext_tests_cpu.log" 2>&1; echo "cpu tests rc=$?"; tail -5 "$OUT/maxtext_tests_cpu.log"
+  exit 0
+fi
+
 # The benchmark: JAX gets 75% of the card (ours + MaxText share it; MaxText's dense attention is
 # the big user), torch the rest; HF calls whose estimate exceeds 30 GB are capped.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout 450 python3 bench/run.py --size flash --modes none \
+LAYERS=${LAYERS:-csa,hca}; name="h200_flash_maxtext_${LAYERS/,/_}"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout 500 python3 bench/run.py --size flash --layers "$LAYERS" --modes none \
   --batches 1,8,32 --peers hf-torch,maxtext-jax --hf-mem-gb 30 --no-cmdbuf --no-ceilings --no-progress \
-  --json "$OUT/h200_flash_maxtext.json" >"$OUT/h200_flash_maxtext.log" 2>&1
-echo "run rc=$? ($(( $(date +%s) - t0 )) s so far)"
-grep -v "NO-OP\|RequestsDependency\|warnings.warn\|WARNING:absl" "$OUT/h200_flash_maxtext.log" | tail -60
-
-# If time is left: the agreement tests on this box's CPU (float32; live HF is installed here).
-if [ $(( $(date +%s) - t0 )) -lt 480 ]; then
-  JAX_PLATFORMS=cpu timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_maxtext_peer.py \
-    >"$OUT/maxtext_tests_cpu.log" 2>&1; echo "cpu tests rc=$?"; tail -3 "$OUT/maxtext_tests_cpu.log"
-fi
-echo "total $(( $(date +%s) - t0 )) s"
+  --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+echo "run rc=$? ($(( $(date +%s) - t0 )) s)"
+grep -v "NO-OP\|RequestsDependency\|warnings.warn\|WARNING:absl\|^ *$" "$OUT/$name.log" | tail -60

@@ -24,9 +24,10 @@ Known differences from the reference (measured in `tests/test_maxtext_peer.py` a
 in `bench/RESULTS.md`), kept as they are:
 
 * no YaRN on the compressed rope (`DeepSeekV4RotaryEmbedding` of 0.2.5 has no scaling);
-* during decode its sliding window over the prefill part of the cache does not move: a query
-  at position p attends the last ``sliding_window`` prompt tokens plus every decoded token
-  (``generate_attention_mask`` aligns the last prefill slot with p);
+* during decode its sliding window over the prompt part of the cache does not move: a query
+  attends the last ``sliding_window`` prompt tokens plus the last ``sliding_window`` decoded
+  tokens, up to twice the window (``generate_attention_mask`` aligns the last valid slot of each
+  cache part with the query's position);
 * it keeps norm weights, sinks and position biases in its one ``weight_dtype``.
 """
 
@@ -111,6 +112,8 @@ def maxtext_config(cfg, size: str, *, batch: int, prefill_len: int, max_target: 
                dtype=dtype, weight_dtype=dtype, matmul_precision="highest" if dtype == "float32" else "default",
                per_device_batch_size=batch, max_prefill_predict_length=prefill_len, max_target_length=max_target,
                scan_layers=False)
+    if attention == "flash":  # MaxText's config accepts flash for DeepSeek4 only with its tokamax splash kernel
+        run["use_tokamax_splash"] = True
     if size == "flash":
         kw = dict(model_name=_FLASH_MODEL, **run)
     else:
@@ -496,6 +499,33 @@ def agreement_golden(name: str) -> dict:
     return out
 
 
+def agreement_markdown(report: dict) -> str:
+    """Tables of an agreement report (`python -m bench.peer_maxtext --render JSON`)."""
+
+    def rng(xs):
+        return "-" if not xs else f"{min(xs):.1e} .. {max(xs):.1e}"
+
+    lines = ["| reference | setting | layer | prefill max abs | decode steps max abs (min .. max) | out scale | "
+             "prefill picks overlap |", "|---|---|---|---|---|---|---|"]
+    for g in report["hf_recorded"]:
+        for lt, r in g["results"].items():
+            for key, label in (("ours_vs_hf", "ours vs HF"), ("maxtext_vs_hf", "MaxText vs HF"),
+                               ("maxtext_vs_ours_without_yarn", "MaxText vs ours without YaRN")):
+                v = r[key]
+                lines.append(f"| HF 5.23.0 recorded, {g['file']} (schedule {g['schedule']}) | {label} | {lt} | "
+                             f"{v['prefill_max_abs']:.1e} | {rng(v['decode_max_abs_per_step'])} | "
+                             f"{v['out_scale']:.2f} | - |")
+    for a in report["synthetic"]:
+        for key, v in a["results"].items():
+            setting, lt = key.split(" / ")
+            picks = v.get("prefill_picks_set_overlap")
+            lines.append(f"| ours, {a['size']} B={a['batch']} prefill {a['prefill_len']} + {a['steps']} steps | "
+                         f"MaxText vs ours, {setting} | {lt} | {v['prefill_max_abs']:.1e} | "
+                         f"{rng(v['decode_max_abs_per_step'])} | {v['out_scale']:.2f} | "
+                         f"{'-' if picks is None else f'{picks:.3f}'} |")
+    return "\n".join(lines)
+
+
 def probe_flash(cfg, size: str, layer: str, ours_attn, dtype: str, seq: int = 256) -> str:
     """Whether MaxText's ``attention="flash"`` runs a prefill of this layer here ("ran"), else its error."""
     import jax
@@ -512,7 +542,8 @@ def probe_flash(cfg, size: str, layer: str, ours_attn, dtype: str, seq: int = 25
         jax.block_until_ready(prog("prefill", prog.fresh(), x, pos))
         return "ran"
     except Exception as err:  # the outcome is the record
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        text = " / ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        return f"{type(err).__name__}: {text[:400]}"
 
 
 if __name__ == "__main__":  # python -m bench.peer_maxtext --json out.json: the agreement report
@@ -522,7 +553,11 @@ if __name__ == "__main__":  # python -m bench.peer_maxtext --json out.json: the 
     ap = argparse.ArgumentParser(description="MaxText's attention against ours and the recorded HF reference")
     ap.add_argument("--sizes", default="tiny,small")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--render", default=None, metavar="JSON", help="print the tables of an earlier report")
     args = ap.parse_args()
+    if args.render:
+        print(agreement_markdown(json.loads(Path(args.render).read_text())))
+        raise SystemExit(0)
     reason = available()
     if reason:
         raise SystemExit(f"maxtext unavailable: {reason}")

@@ -164,6 +164,42 @@ def cmdbuf_table(cb: dict) -> str:
     return "\n".join(lines)
 
 
+def maxtext_table(records, hf_records=()) -> str:
+    """The JAX peer beside ours: per case MaxText's time, ours (none, narrow-device) / MaxText, its
+    peak memory (XLA's analysis of its largest compiled step) and compile time, agreement with
+    ours, or why it did not run. `hf_records` (optional, another run's records of the same cases)
+    add that run's ours/HF for mode none, labelled as such."""
+    groups: OrderedDict = OrderedDict()
+    for r in records:
+        groups.setdefault((r["scenario"], r["layer_type"], r["batch"], r["prompt_len"]), {})[r["mode"]] = r
+    if not any(MAXTEXT in g for g in groups.values()):
+        return ""
+    hf = {(r["scenario"], r["layer_type"], r["batch"], r["prompt_len"]): r for r in hf_records
+          if r["mode"] == "none"}
+    head = ["scenario", "layer", "B", "len", "MaxText ms", "none ms", "none/MaxText", "narrow-device/MaxText",
+            "MaxText peak GB", "MaxText compile s", "MaxText vs ours max abs (out scale)", "picks overlap"]
+    if hf:
+        head += ["none/HF (HF run)"]
+    head += ["MaxText not run: why"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, g in groups.items():
+        mt, none = g.get(MAXTEXT), g.get("none", {})
+        if mt is None:
+            continue
+        metric = "prefill_ms" if key[0] == "prefill" else "decode_ms_median"
+        diff = mt.get("max_abs_diff_vs_none")
+        row = [key[0], key[1], str(key[2]), str(key[3]), _cell(mt, metric), _fmt(none.get(metric)),
+               _fmt(none.get("ours_over_maxtext")), _fmt(g.get("narrow-device", {}).get("ours_over_maxtext")),
+               _fmt(mt.get("peak_gb")), _fmt(mt.get("compile_s")),
+               "-" if diff is None else f"{diff:.1e} ({_fmt(mt.get('out_scale'))})",
+               _fmt(mt.get("picks_set_overlap_vs_none"))]
+        if hf:
+            row.append(_fmt(hf.get(key, {}).get("ours_over_hf")))
+        row.append(mt.get("skipped") or (("error: " + mt["error"]) if mt.get("error") else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def markdown(records, meta: dict | None = None) -> str:
     parts = []
     if meta:
@@ -178,6 +214,13 @@ def markdown(records, meta: dict | None = None) -> str:
     parts.append(table(records, "decode_long", "decode_ms_median", "decode_ms_p90"))
     parts.append("### prefill: ms per call, median")
     parts.append(table(records, "prefill", "prefill_ms"))
+    mt = maxtext_table(records)
+    if mt:
+        parts.append("### the JAX peer (MaxText 0.2.5, dot_product): per case")
+        parts.append(mt)
+        if meta and meta.get("maxtext_flash_probe"):
+            parts.append("MaxText attention='flash' prefill here: " + "; ".join(
+                f"{k}: {v}" for k, v in meta["maxtext_flash_probe"].items()))
     parts.append("### compile time (trace + lower + XLA compile of the warm-up) and host breaks")
     parts.append(compile_table(records))
     if meta and meta.get("cmdbuf"):
@@ -233,3 +276,11 @@ def plot(records, path: Path, title: str = "") -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":  # python -m bench.report MAXTEXT_JSON [HF_JSON]: the JAX peer's table
+    import json
+    import sys
+
+    runs = [json.loads(Path(p).read_text())["records"] for p in sys.argv[1:3]]
+    print(maxtext_table(runs[0], runs[1] if len(runs) > 1 else ()))
