@@ -4,7 +4,7 @@
 from . import export, sharding  # noqa: F401
 from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, attention_step
 from .breaks import BREAK_MODES, BREAK_PLACES, KERNELS, BreakPlan
-from .cache import AttentionCache, CompressorCache
+from .cache import AttentionCache, CompressorCache, reset_rows
 from .checkpoint import load_attention_checkpoint
 from .config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from .indexer_loss import indexer_kl_loss
@@ -31,4 +31,5 @@ __all__ = [
     "load_attention_checkpoint",
     "load_hf_attention_weights",
     "native_info",
+    "reset_rows",
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ from flax import nnx, struct
 
 from . import breaks, indexer, sharding, validation
 from .backend import QUERY_BLOCK, Array, einsum
-from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows
+from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows, real_tokens
 from .compressor import CompressorWeights, compress, project, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .indexer import IndexerWeights, head_weights, index_queries
@@ -147,16 +148,19 @@ def _freqs(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- stages 2-4
-def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, frozen=None):
+def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, frozen=None,
+                   count=None):
     """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert
-    (rows in `frozen` unchanged)."""
+    (rows in `frozen` unchanged; of a ragged call only each row's `count` real tokens are
+    inserted). Padded slots (position -1) get queries and keys too (fixed shapes), which
+    nothing reads."""
     cfg, dtype = spec.cfg, spec.dtype
     freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
     q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale)
     kv = apply_rope(kv, positions, freqs, scale=scale)
-    return q, kv, insert_window(window, kv, length, frozen)
+    return q, kv, insert_window(window, kv, length, frozen, count)
 
 
 def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: AttentionWeights,
@@ -170,16 +174,19 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     cfg = spec.cfg
     select = select or spec.plan.indexer_select()
     length = cache.length
+    # Ragged calls: row b has count[b] real tokens, then padded slots (position -1) that write
+    # nothing (scatter indices dropped) and that the indexer scores against no entry (visible 0).
+    count = real_tokens(positions)
     # A row that would run past max_seq_len (possible only under a user's jit) writes nothing.
-    frozen = overflows(length, positions.shape[1], cache.max_seq_len)
+    frozen = overflows(length, count, cache.max_seq_len)
     compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
-                  frozen=frozen)
+                  frozen=frozen, count=count)
 
     # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
     with jax.named_scope("wq_b_kv_insert"):
         q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
-                                       weights.q_b_proj, spec, frozen)
+                                       weights.q_b_proj, spec, frozen, count)
     out = StageOutputs(q=q, kv=kv, window=window)
     if spec.layer_type == SLIDING:
         return out
@@ -290,17 +297,26 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     # 6. Inverse RoPE at the query position, grouped low-rank output projection.
     with jax.named_scope("output_projection"):
         out = output_projection(attended.o, positions, weights, spec)
-    overflow = overflows(length, x.shape[1], cache.max_seq_len)  # [B]; such rows were written nothing
-    out = jnp.where(overflow[:, None, None], jnp.asarray(jnp.nan, out.dtype), out)
+    count = real_tokens(positions)  # [B] real tokens per row (a ragged call pads with -1)
+    real = positions >= 0  # [B, S]
+    overflow = overflows(length, count, cache.max_seq_len)  # [B]; such rows were written nothing
+    # Padded slots output zeros: they see no key, so their attention output is 0 already; the
+    # select makes it the contract rather than a consequence (e.g. of a finite padded input).
+    # An overflowing row's real slots output NaN.
+    out = jnp.where(real[..., None], out, jnp.zeros((), out.dtype))
+    out = jnp.where(overflow[:, None, None] & real[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
-    new_length = jnp.where(overflow, length, advance_length(length, x.shape[1]))
+    new_length = jnp.where(overflow, length, advance_length(length, count))
     new_cache = cache.replace(length=new_length, window=stages.window,
                               compressor=stages.compressor, indexer=stages.indexer)
     intermediates = None
     if spec.return_intermediates:
+        def padded_zero(a):  # padded slots' queries, keys and masses are 0 (nothing was attended)
+            return jnp.where(real.reshape(*real.shape, *([1] * (a.ndim - 2))), a, jnp.zeros((), a.dtype))
+
         intermediates = Intermediates(
-            queries=stages.q, keys=stages.kv, sink_mass=attended.sink_mass, window_mass=attended.window_mass,
-            compressed_mass=attended.compressed_mass,
+            queries=padded_zero(stages.q), keys=padded_zero(stages.kv), sink_mass=padded_zero(attended.sink_mass),
+            window_mass=padded_zero(attended.window_mass), compressed_mass=padded_zero(attended.compressed_mass),
             index_scores=stages.index_scores, topk=stages.picks, compressed_kv=entries,
             num_entries=None if entries is None else new_length // spec.ratio,
             visible_entries=visible,
@@ -312,28 +328,42 @@ def check_in_graph(length, positions, max_seq_len: int) -> None:
     """The eager value checks as `checkify.check`s, for steps traced under a user's jit.
 
     Present only when ``StepSpec.checks`` (``DeepseekV4Attention(checkify=True)`` under a
-    user's jit); such a step must run under `jax.experimental.checkify.checkify`. The messages
-    name the argument as the eager ones do: all rows at one length (``cache.length``),
-    positions continue the cache (``positions``), room left (``hidden_states``).
+    user's jit); such a step must run under `jax.experimental.checkify.checkify`. The rules
+    and messages are `validation.check_positions`'s: positions >= -1; per row its real tokens
+    first, then padded slots (-1); at least one real token in the call; real tokens continue
+    the row's cache (``positions``); room left per row (``hidden_states``).
     """
     from jax.experimental import checkify
 
-    seq = positions.shape[1]
-    checkify.check(jnp.all(length == length[0]),
-                   "cache.length: expected all rows at one length (ragged batches are not supported yet), "
-                   "got {lengths}", lengths=length)
-    expected = length[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
-    wrong = jnp.any(positions != expected, axis=1)  # [B]
+    batch, seq = positions.shape
+    col = jnp.arange(seq, dtype=jnp.int32)[None, :]
+    low = jnp.any(positions < -1, axis=1)
+    row = jnp.argmax(low)
+    checkify.check(~jnp.any(low), "positions: expected values >= 0, or -1 for padded slots, got row {row} = "
+                   "[{first} .. {last}]", row=row, first=positions[row, 0], last=positions[row, -1])
+    real = positions >= 0
+    count = real.sum(axis=1).astype(jnp.int32)
+    mixed = jnp.any(real != (col < count[:, None]), axis=1)
+    row = jnp.argmax(mixed)
+    checkify.check(~jnp.any(mixed), "positions: expected row {row}'s real tokens first, then its padded slots "
+                   "(-1), got [{first} .. {last}]", row=row, first=positions[row, 0], last=positions[row, -1])
+    checkify.check(jnp.any(count > 0), "positions: expected at least one real token (>= 0) in the call, got only "
+                   f"padded slots (-1) in all {batch} rows")
+    expected = length[:, None] + col
+    wrong = jnp.any(real & (positions != expected), axis=1)  # [B]
     row = jnp.argmax(wrong)
     checkify.check(~jnp.any(wrong),
                    "positions: expected row {row} to continue the cache at {start} ({start} .. {end}), "
                    "got [{first} .. {last}]",
-                   row=row, start=length[row], end=length[row] + (seq - 1),
+                   row=row, start=length[row], end=length[row] + count[row] - 1,
                    first=positions[row, 0], last=positions[row, -1])
-    checkify.check(jnp.all(length + seq <= max_seq_len),
+    over = length + count > max_seq_len
+    row = jnp.argmax(over)
+    checkify.check(~jnp.any(over),
                    f"hidden_states: expected at most {{room}} new tokens (the cache holds {{held}} of "
-                   f"max_seq_len={max_seq_len}), got {seq}",
-                   room=max_seq_len - jnp.max(length), held=jnp.max(length))
+                   f"max_seq_len={max_seq_len}), got {{n}}" + (" in row {row}" if batch > 1 else ""),
+                   room=max_seq_len - length[row], held=length[row], n=count[row],
+                   **({"row": row} if batch > 1 else {}))
 
 
 def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
@@ -366,8 +396,10 @@ def step_function(donate: bool = False):
 
 def compiled_steps() -> int:
     """How many versions of the layer's step have been compiled so far in this process (both
-    `step_function`s; each call shape, dtype and static option compiles one)."""
-    return sum(step._cache_size() for step in _STEPS.values())
+    `step_function`s and their sharded twins, `sharding.step_function`; each call shape, dtype,
+    mesh and static option compiles one)."""
+    steps = [*_STEPS.values(), *(sharding.step_function(d) for d in (False, True))]
+    return sum(step._cache_size() for step in steps)
 
 
 # ---------------------------------------------------------------------------- NNX modules
@@ -426,6 +458,44 @@ class Indexer(nnx.Module):
         return _weights_of(self, IndexerWeights)
 
 
+# The device twin of each host length mirror an eager call made: id(mirror) -> (weak reference
+# to the mirror, its value when made, the step's device length). A mirror changed in place, or
+# one this layer did not make, is uploaded as before.
+_DEVICE_LENGTHS: dict[int, tuple] = {}
+
+
+def _remember_device_length(mirror: np.ndarray, device_length) -> None:
+    key = id(mirror)
+    _DEVICE_LENGTHS[key] = (weakref.ref(mirror, lambda _, k=key: _DEVICE_LENGTHS.pop(k, None)),
+                            mirror.copy(), device_length)
+
+
+def _device_length(length):
+    hit = _DEVICE_LENGTHS.get(id(length)) if isinstance(length, np.ndarray) else None
+    if hit is None or hit[0]() is not length or not np.array_equal(hit[1], length):
+        return length
+    device = hit[2]
+    return length if getattr(device, "is_deleted", lambda: False)() else device
+
+
+# Per-layer memos of `weights()` and `step_spec()`, outside the modules (NNX would otherwise
+# treat the cached arrays as part of the module's graph). Weak keys: they go with the layer.
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _parameter_arrays(module: nnx.Module) -> list:
+    """Every parameter array of `module` and its submodules, in `_weights_of`'s order."""
+    out = []
+    for name in _FIELD_NAMES.get(type(module), ()):
+        value = module.__dict__.get(name)
+        if isinstance(value, nnx.Module):
+            out.extend(_parameter_arrays(value))
+        elif value is not None:
+            out.append(_array(value))
+    return out
+
+
 def _weights_of(module: nnx.Module, cls):
     """`cls` (a weights pytree) filled from `module`'s attributes of the same names.
 
@@ -439,6 +509,9 @@ def _weights_of(module: nnx.Module, cls):
         values[field.name] = (None if value is None else value.weights() if isinstance(value, nnx.Module)
                               else _array(value))
     return cls(**values)
+
+
+_FIELD_NAMES = {}  # module class -> the weights pytree's field names (filled below the classes)
 
 
 class DeepseekV4Attention(nnx.Module):
@@ -482,8 +555,9 @@ class DeepseekV4Attention(nnx.Module):
                     `dsv4_jax.validation.CHECK_FINITE`, which is True.
       checkify:     False (default) or True: under your own `jax.jit`, where the value checks
                     cannot run on the host, put them into the step as
-                    `jax.experimental.checkify.check`s (positions continue the cache, room
-                    left, rows at one length; messages as the eager ones). Then wrap your
+                    `jax.experimental.checkify.check`s (each row's positions continue its
+                    length, padding only after a row's real tokens, room left; messages as
+                    the eager ones). Then wrap your
                     function in `checkify.checkify` (``jax.jit(checkify.checkify(f))``) and
                     call ``err.throw()``. Eager calls are checked on the host and run the
                     usual step either way. An attribute.
@@ -570,8 +644,19 @@ class DeepseekV4Attention(nnx.Module):
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)
 
     def weights(self) -> AttentionWeights:
-        """The current parameters as an `AttentionWeights` pytree of arrays."""
-        return _weights_of(self, AttentionWeights)
+        """The current parameters as an `AttentionWeights` pytree of arrays.
+
+        Built once and reused while every parameter still holds the same array (checked by
+        identity each call: an assignment, a loaded checkpoint or an optimizer update makes a
+        new pytree). The cache lives outside the module (`_WEIGHTS`), so NNX never sees it."""
+        arrays = _parameter_arrays(self)
+        key = tuple(map(id, arrays))
+        hit = _WEIGHTS.get(self)
+        if hit is not None and hit[0] == key:  # the cached pytree holds these very arrays
+            return hit[1]
+        weights = _weights_of(self, AttentionWeights)
+        _WEIGHTS[self] = (key, weights)
+        return weights
 
     @property
     def compute_dtype(self):
@@ -583,8 +668,18 @@ class DeepseekV4Attention(nnx.Module):
 
         `hidden_dtype` (the inputs' dtype) does not change it: inputs are cast to the layer's
         `compute_dtype`. It is accepted for the callers that pass it. `checks`: the step with
-        in-graph `checkify` checks (`check_in_graph`), to run under `checkify.checkify`."""
+        in-graph `checkify` checks (`check_in_graph`), to run under `checkify.checkify`.
+        Memoized per value of everything it reads (the layer's options and the mesh)."""
         mesh = self.mesh if self.mesh is not None else sharding.context_mesh()
+        key = (mesh, self.sharding_rules, self.break_mode, self.break_on, self.kernels, self.dtype,
+               self.param_dtype, self.precision, self.query_block, bool(return_intermediates), bool(checks))
+        specs = _SPECS.setdefault(self, {})
+        spec = specs.get(key)
+        if spec is None:
+            spec = specs[key] = self._new_step_spec(mesh, return_intermediates, checks)
+        return spec
+
+    def _new_step_spec(self, mesh, return_intermediates: bool, checks: bool) -> StepSpec:
         layout = None if mesh is None else sharding.layout(self.config, mesh, self.sharding_rules)
         plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout)
         dtype = self.compute_dtype
@@ -598,8 +693,10 @@ class DeepseekV4Attention(nnx.Module):
     def __call__(self, hidden_states, positions, cache: AttentionCache, *, return_intermediates: bool = False):
         """Run the layer on S new tokens per row and return ``(out, cache)``.
 
-        hidden_states: [B, S, hidden] float; positions: int [B, S], must continue the cache
-        (row b: ``cache.length[b] .. cache.length[b] + S - 1``; rows share one length for now).
+        hidden_states: [B, S, hidden] float; positions: int [B, S]: row b's real tokens
+        continue its length (``cache.length[b], cache.length[b] + 1, ...``), then -1 pads the
+        row to S (ragged batches: rows may differ in length and in new tokens; padded slots
+        output zeros and write nothing; at least one real token per call).
         With ``return_intermediates=True`` returns ``(out, cache, Intermediates)``; off by
         default, and then nothing extra is computed (it is a separate compiled step).
 
@@ -609,7 +706,8 @@ class DeepseekV4Attention(nnx.Module):
         ``checkify=True``, become `checkify` checks), and a call past `max_seq_len` leaves the
         cache unchanged and returns NaN (see `attention_step`).
         """
-        spec, host_length = validation.check_call(self, hidden_states, positions, cache, return_intermediates)
+        spec, host_length, new_tokens = validation.check_call(self, hidden_states, positions, cache,
+                                                              return_intermediates)
         if host_length is None and self.checkify:  # traced: the value checks go into the step
             spec = dataclasses.replace(spec, checks=True)
         if spec.plan.layout is None and host_length is not None and sharding.mesh_of(cache) is not None:
@@ -624,14 +722,26 @@ class DeepseekV4Attention(nnx.Module):
             step = step_function(self.donate_cache)
         # The layer index is checked above and is no part of the computation: leave it out of
         # the compiled step's identity, so that layers of one type share one program.
-        anonymous = cache.replace(layer_idx=-1)
+        # The step gets the device copy of the host length mirror where this layer made one
+        # (uploading the NumPy mirror would cost more dispatch time than the checks save).
+        anonymous = cache.replace(layer_idx=-1, length=_device_length(cache.length))
         with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
             out, new_cache, intermediates = step(self.weights(), anonymous, hidden_states, positions, spec=spec)
-        new_cache = new_cache.replace(layer_idx=cache.layer_idx)
-        if host_length is not None:
+        if host_length is None:
+            new_cache = new_cache.replace(layer_idx=cache.layer_idx)
+        else:
             # The host mirror of the step's new length (see `dsv4_jax.cache`): the next call's
-            # checks need no device round trip.
-            new_cache = new_cache.replace(length=advance_length(host_length, hidden_states.shape[1]))
+            # checks need no device round trip; the step's own length is kept beside it.
+            mirror = advance_length(host_length, new_tokens)
+            _remember_device_length(mirror, new_cache.length)
+            new_cache = new_cache.replace(layer_idx=cache.layer_idx, length=mirror)
         if return_intermediates:
             return out, new_cache, intermediates
         return out, new_cache
+
+
+_FIELD_NAMES.update({
+    DeepseekV4Attention: tuple(f.name for f in dataclasses.fields(AttentionWeights)),
+    Compressor: tuple(f.name for f in dataclasses.fields(CompressorWeights)),
+    Indexer: tuple(f.name for f in dataclasses.fields(IndexerWeights)),
+})

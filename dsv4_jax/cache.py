@@ -16,6 +16,10 @@ compressor          CompressorCache       CSA/HCA layers: compressed KV entries 
 indexer             CompressorCache       CSA layers: the indexer's own key compressor
 ==================  ====================  ===============================================
 
+Ragged batches: a call may carry a different number of real tokens per row; a row's padded
+slots (position `PAD` = -1, after its real tokens) write nothing and `length` counts real
+tokens only (`real_tokens`, `advance_length`). `reset_rows` empties chosen rows.
+
 Who owns `length`: the step. `attention_step` returns the new length,
 ``advance_length(length, S)``, like every other field of the cache. The layer's eager call
 path keeps a **host mirror** instead of that device value: the length it checked on the host
@@ -80,20 +84,110 @@ class AttentionCache:
         return self.window.dtype
 
 
-def advance_length(length: Array, new_tokens: int) -> Array:
-    """`length` after a call of `new_tokens` tokens per row: the one rule, applied in the step
-    (to the device length it returns) and by the eager call path (to its host mirror)."""
-    return length + np.int32(new_tokens)
+PAD = -1  # the position of a padded slot (ragged batches): after a row's real tokens
 
 
-def overflows(length: Array, new_tokens: int, max_seq_len: int) -> Array:
-    """[B] bool: rows for which a call of `new_tokens` tokens would run past `max_seq_len`.
+def real_tokens(positions: Array) -> Array:
+    """[B] int32: the real (non-padded) tokens of each row of a call, ``sum(positions >= 0)``.
+
+    positions [B, S] int: a row's real tokens come first (``length .. length + n - 1``), then
+    padded slots at `PAD` (-1). NumPy in, NumPy out (the host mirror); JAX in, JAX out."""
+    return (positions >= 0).sum(axis=1).astype(np.int32)
+
+
+def advance_length(length: Array, new_tokens) -> Array:
+    """`length` after a call of `new_tokens` real tokens per row (an int, or [B] for a ragged
+    call, see `real_tokens`): the one rule, applied in the step (to the device length it
+    returns) and by the eager call path (to its host mirror)."""
+    if isinstance(length, np.ndarray):  # the host mirror stays int32 NumPy
+        return (length + np.asarray(new_tokens)).astype(np.int32)
+    return length + new_tokens
+
+
+def overflows(length: Array, new_tokens, max_seq_len: int) -> Array:
+    """[B] bool: rows for which a call of `new_tokens` real tokens (int or [B]) would run past
+    `max_seq_len`.
 
     The eager call refuses such a call before dispatch. Under a user's `jax.jit` nothing can
-    refuse it, so the step applies this rule: an overflowing row's cache stays exactly as it
-    was (its scatters are dropped, its `length` is not advanced) and its output is NaN. The
-    next eager call then sees the old length and checks against it."""
-    return length + np.int32(new_tokens) > max_seq_len
+    refuse it, so the step applies this rule per row: an overflowing row's cache stays exactly
+    as it was (its scatters are dropped, its `length` is not advanced) and its real slots'
+    output is NaN; the other rows run as usual. The next eager call then sees the old length
+    and checks against it."""
+    return length + new_tokens > max_seq_len
+
+
+def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
+    """The cache with `rows` emptied (length 0, every array of the row zero, as
+    `init_attention_cache` makes it) and every other row untouched.
+
+    For serving loops and batched evaluation: a finished sequence's row is reset and a new
+    sequence starts there at position 0 while the other rows go on. Shapes and static fields
+    do not change, so the same compiled step keeps serving (no recompilation).
+
+    rows: row indices (a sequence or int array [R], negative counted from the end) or a bool
+          mask [B]. Eagerly, out-of-range indices and masks of the wrong length raise a
+          `ValueError` naming ``rows`` (nothing changed). Under `jax.jit` (traced `rows`) no
+          check can run: out-of-range indices are ignored, a mask must be [B] (a shape check).
+
+    Jittable. The data arrays are updated with one scatter each (a copy unless the cache is
+    donated, as in a jitted serving step; XLA updates donated buffers in place). An eager
+    cache keeps its host length mirror (a NumPy array, see the module docstring); a traced or
+    device length stays on the device.
+    """
+    from .backend import is_tracer
+
+    if not isinstance(cache, AttentionCache):
+        raise TypeError(f"cache: expected an AttentionCache, got {type(cache).__name__}")
+    batch = cache.batch_size
+    # Concrete rows are checked and become indices (also under a jit whose cache is traced);
+    # traced rows become a [B] mask, which cannot be checked.
+    idx = _traced_rows(rows, batch) if is_tracer(rows) else _host_rows(rows, batch)
+    data = jax.tree.map(lambda a: _zero_rows(a, idx), cache.replace(length=None))
+    if isinstance(cache.length, np.ndarray) and isinstance(idx, np.ndarray):
+        length = cache.length.copy()
+        length[idx] = 0
+    else:
+        length = _zero_rows(jnp.asarray(cache.length, jnp.int32), idx)
+    return data.replace(length=length)
+
+
+def _host_rows(rows, batch: int) -> np.ndarray:
+    """Concrete `rows` -> int32 indices in [0, B) (ValueError naming `rows` otherwise)."""
+    arr = np.asarray(rows)
+    if arr.dtype == bool:
+        if arr.shape != (batch,):
+            raise ValueError(f"rows: expected a bool mask of shape [{batch}] (the batch), got shape {list(arr.shape)}")
+        return np.nonzero(arr)[0].astype(np.int32)
+    if arr.ndim > 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"rows: expected row indices (ints) or a bool mask [{batch}], got {arr.dtype} "
+                        f"of shape {list(arr.shape)}")
+    arr = arr.reshape(-1).astype(np.int64)
+    bad = (arr < -batch) | (arr >= batch)
+    if bad.any():
+        raise ValueError(f"rows: expected row indices in [-{batch}, {batch}) (batch size {batch}), "
+                         f"got {arr[bad].tolist()}")
+    return (arr % batch).astype(np.int32)
+
+
+def _traced_rows(rows, batch: int):
+    """Traced `rows` -> a bool mask [B] (masks pass through; indices out of range are ignored)."""
+    if rows.dtype == jnp.bool_:
+        if rows.shape != (batch,):
+            raise ValueError(f"rows: expected a bool mask of shape [{batch}] (the batch), got shape {list(rows.shape)}")
+        return rows
+    if rows.ndim > 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise TypeError(f"rows: expected row indices (ints) or a bool mask [{batch}], got {rows.dtype} "
+                        f"of shape {list(rows.shape)}")
+    rows = rows.reshape(-1)
+    rows = jnp.where(rows < 0, rows + batch, rows)
+    return jnp.zeros((batch,), jnp.bool_).at[rows].set(True, mode="drop")
+
+
+def _zero_rows(a: Array, rows) -> Array:
+    """`a` [B, ...] with the rows `rows` (int indices, or a bool mask [B]) set to zero."""
+    if getattr(rows, "dtype", None) == jnp.bool_ and rows.shape == (a.shape[0],):
+        return jnp.where(rows.reshape(-1, *([1] * (a.ndim - 1))), jnp.zeros((), a.dtype), a)
+    return jnp.asarray(a).at[jnp.asarray(rows)].set(0)
 
 
 def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,

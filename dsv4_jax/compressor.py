@@ -63,6 +63,7 @@ def compress(
     rope_scale: float,
     eps: float,
     frozen: Array | None = None,
+    count: Array | None = None,
 ) -> CompressorCache:
     """Append a call's tokens to the compressor; emit the entries of windows they complete.
 
@@ -72,11 +73,14 @@ def compress(
     frozen:    [B] bool or None: rows whose state stays as it was (a call that would run past
                `max_seq_len`, see `cache.overflows`); their entry writes are dropped by the
                scatter (no copy of the entries), their small buffers kept by a select
+    count:     [B] int32 or None: real tokens per row of a ragged call (``kv[:, :count]``; the
+               padded slots after them are skipped: they never enter the stream, so they pool
+               into nothing, buffer nothing and write no entry). None: all S are real.
     returns    the state after the call: the entries of the windows this call completes are
                written at rows ``length // m ..``, the rest of the stream waits in the buffer.
 
     The stream can touch ``L = (m - 1 + S) // m + 1`` windows; all L are pooled (fixed
-    shapes) and window j of a row is written iff ``j < (length % m + S) // m``.
+    shapes) and window j of a row is written iff ``j < (length % m + count) // m``.
 
     Shapes per step (Dc = entry width, n = 2 for CSA else 1):
       stream  [B, L*m, n*Dc]    buffered tokens, then the new ones, zero-padded
@@ -92,13 +96,15 @@ def compress(
 
     buffered = (length % m).astype(np.int32)  # [B] tokens of the unfinished window
     first_entry = (length // m).astype(np.int32)  # [B] index of the stream's window 0
-    completed = (buffered + seq) // m  # [B] windows this call completes
+    n_new = np.int32(seq) if count is None else count.astype(np.int32)  # [B] (or S) real tokens
+    completed = (buffered + n_new) // m  # [B] windows this call completes
 
     # Stream slot i holds position first_entry*m + i: buffer rows first, then new tokens.
     slot = xp.arange(n_windows * m, dtype=np.int32)[None, :]  # [1, L*m]
     from_buffer = slot < buffered[:, None]
     new_idx = slot - buffered[:, None]
-    from_new = (new_idx >= 0) & (new_idx < seq)
+    # A ragged row's padded slots are not part of its stream: zeros, as past the end of a call.
+    from_new = (new_idx >= 0) & (new_idx < (n_new if count is None else n_new[:, None]))
 
     def stream(buffer: Array, new: Array) -> Array:
         old = xp.take_along_axis(buffer, xp.clip(slot, 0, m - 1)[..., None], 1)

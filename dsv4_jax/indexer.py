@@ -14,8 +14,12 @@ Contract of `select_topk` (the function the host break calls):
   float32 scores ``[B, S, T]`` when asked for (else None: the type never changes with the flag).
 
 The same functions run under XLA (in-graph, ``break_mode="none"``) and under NumPy inside a
-`jax.pure_callback` (the host break, see `breaks`). Scoring is blocked over queries so that
-the per-head temporary [B, block, nI, T] stays bounded on long prefills.
+`jax.pure_callback` (the host break, see `breaks`). Queries with ``visible = 0`` (a ragged
+call's padded slots, position -1, and queries before the first completed window) get -1 picks
+and no scores: the native handlers do no work for them, and the NumPy twin skips them when
+they are at least half of the call; the fixed-shape XLA program scores every slot. Scoring
+is blocked over queries so that the per-head temporary [B, block, nI, T] stays bounded on
+long prefills.
 """
 
 from __future__ import annotations
@@ -116,4 +120,29 @@ def select_topk(queries: Array, weights: Array, keys: Array, visible: Array, *, 
         scores = _block_scores(q, w, vis, k)
         return Selection(picks_from_scores(scores, vis, top_k), scores if with_scores else None)
 
+    if namespace(queries, weights, keys, visible) is np and 2 * int((visible > 0).sum()) <= visible.size:
+        # The NumPy twin (host breaks) scores only the queries that see an entry: padded slots
+        # of a ragged call (and queries before the first completed window) cost nothing.
+        return _select_seen(select_block, queries, weights, keys, visible, top_k, with_scores, block)
     return map_query_blocks(select_block, (queries, weights, visible), (keys,), block)
+
+
+def _select_seen(select_block, queries, weights, keys, visible, top_k, with_scores, block) -> Selection:
+    """`select_topk` in NumPy over each row's span of queries with ``visible > 0`` only; the
+    others get what the full computation gives them (-1 picks, -inf scores). The same formula on
+    a slice: a float32 score may round differently in its last bit, as between any two call
+    shapes of NumPy's einsum (the caveat of the README's "Same picks, same outputs")."""
+    batch, seq = visible.shape
+    picks = np.full((batch, seq, top_k), -1, np.int32)
+    scores = np.full((batch, seq, keys.shape[1]), -np.inf, np.float32) if with_scores else None
+    for b in range(batch):
+        seen = np.flatnonzero(visible[b] > 0)
+        if not seen.size:
+            continue
+        lo, hi = int(seen[0]), int(seen[-1]) + 1
+        part = map_query_blocks(select_block, (queries[b:b + 1, lo:hi], weights[b:b + 1, lo:hi],
+                                               visible[b:b + 1, lo:hi]), (keys[b:b + 1],), block)
+        picks[b, lo:hi] = part.picks[0]
+        if with_scores:
+            scores[b, lo:hi] = part.scores[0]
+    return Selection(picks, scores)

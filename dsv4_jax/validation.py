@@ -4,8 +4,9 @@ Every rejection is a `TypeError` (wrong kind or dtype) or `ValueError` (wrong sh
 whose message names the argument, what was expected and what came. Nothing reaches the
 device before all checks pass, so a rejected call leaves the caller's cache untouched.
 
-Checks that need values (positions continue the cache, room is left, hidden_states are
-finite) run when the values are concrete; under a user's `jax.jit` they are tracers and only
+Checks that need values (positions continue the cache row by row, padded slots (-1) only
+after a row's real tokens, room is left, hidden_states are finite) run when the values are
+concrete; under a user's `jax.jit` they are tracers and only
 shapes and dtypes are checked.
 
 Non-finite hidden_states (NaN, +-inf) are rejected before dispatch: let through, they would
@@ -93,11 +94,12 @@ def check_cache(attn, cache: Any) -> None:
 
 
 def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_intermediates: bool):
-    """Validate one call; returns (the StepSpec to run, the length it checked or None).
+    """Validate one call; returns (the StepSpec to run, the length it checked, the call's real
+    tokens per row), the last two None while tracing (the length is then the step's own).
 
-    The length is the host value the checks ran against (int32 NumPy); the caller's host mirror
-    of the new length is `cache.advance_length` of it (see `dsv4_jax.cache`). None while
-    tracing (the length is then the step's own)."""
+    The length is the host value the checks ran against (int32 NumPy [B]); the caller's host
+    mirror of the new length is `cache.advance_length` of it by the real tokens per row (int32
+    [B], `cache.real_tokens(positions)` as the checks found it; see `dsv4_jax.cache`)."""
     cfg = attn.config
     h_shape, h_dtype = _shape_dtype("hidden_states", hidden_states)
     if not jnp.issubdtype(h_dtype, jnp.floating):
@@ -126,31 +128,69 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
         )
 
     if is_tracer(positions) or is_tracer(cache.length):
-        return spec, None  # values unknown while tracing: shapes and dtypes were checked
+        return spec, None, None  # values unknown while tracing: shapes and dtypes were checked
     length = np.asarray(cache.length).astype(np.int64)
     pos = np.asarray(positions).astype(np.int64)
-    if np.any(length != length[0]):
+    new_tokens = check_positions(pos, length, cache.max_seq_len)
+    check_finite("hidden_states", hidden_states, CHECK_FINITE if attn.check_finite is None else attn.check_finite)
+    return spec, length.astype(np.int32), new_tokens.astype(np.int32)
+
+
+def check_positions(pos: np.ndarray, length: np.ndarray, max_seq_len: int) -> np.ndarray:
+    """The value rules of a call's positions [B, S] against the cache's lengths [B] (host);
+    returns the real tokens per row [B]. `check_in_graph` is the in-graph twin (same rules,
+    same messages).
+
+    Row b holds ``n_b`` real tokens ``length[b] .. length[b] + n_b - 1`` first, then padded
+    slots at -1 (a ragged batch; ``n_b = 0`` is a row with nothing in this call); at least one
+    row of the call has a real token; and ``length[b] + n_b <= max_seq_len``.
+    """
+    batch, seq = pos.shape
+    low = pos < -1
+    if low.any():
+        b = int(np.argwhere(low)[0][0])
+        raise ValueError(f"positions: expected values >= 0, or -1 for padded slots, got row {b} = {_preview(pos[b])}")
+    real = pos >= 0
+    count = real.sum(axis=1)
+    mixed = real != (np.arange(seq)[None, :] < count[:, None])
+    if mixed.any():
+        b = int(np.argwhere(mixed)[0][0])
         raise ValueError(
-            f"cache.length: expected all rows at one length (ragged batches are not supported yet), "
-            f"got {length.tolist()}"
+            f"positions: expected row {b}'s real tokens first, then its padded slots (-1), got {_preview(pos[b])}"
+        )
+    if not count.any():
+        raise ValueError(
+            f"positions: expected at least one real token (>= 0) in the call, got only padded slots (-1) in "
+            f"all {batch} rows"
         )
     expected = length[:, None] + np.arange(seq)[None, :]
-    if not np.array_equal(pos, expected):
-        bad = int(np.argwhere(pos != expected)[0][0])
+    wrong = real & (pos != expected)
+    if wrong.any():
+        b = int(np.argwhere(wrong)[0][0])
+        start, n = int(length[b]), int(count[b])
         raise ValueError(
-            f"positions: expected row {bad} to continue the cache at {int(length[bad])} "
-            f"({int(length[bad])} .. {int(length[bad]) + seq - 1}), got {_preview(pos[bad])}"
+            f"positions: expected row {b} to continue the cache at {start} ({start} .. {start + n - 1}), "
+            f"got {_preview(pos[b])}"
         )
-    if int(length[0]) + seq > cache.max_seq_len:
+    over = length + count > max_seq_len
+    if over.any():
+        b = int(np.argwhere(over)[0][0])
+        held = int(length[b])
         raise ValueError(
-            f"hidden_states: expected at most {cache.max_seq_len - int(length[0])} new tokens (the cache "
-            f"holds {int(length[0])} of max_seq_len={cache.max_seq_len}), got {seq}"
+            f"hidden_states: expected at most {max_seq_len - held} new tokens (the cache holds {held} of "
+            f"max_seq_len={max_seq_len}), got {int(count[b])}" + (f" in row {b}" if batch > 1 else "")
         )
-    check_finite("hidden_states", hidden_states, CHECK_FINITE if attn.check_finite is None else attn.check_finite)
-    return spec, length.astype(np.int32)
+    return count
 
 
 _all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+
+
+def _on_cpu(value: jax.Array) -> bool:
+    try:
+        return all(d.platform == "cpu" for d in value.devices())
+    except Exception:  # a deleted or otherwise unreadable array: let the reduction report it
+        return False
 
 
 def check_finite_mode(mode: Any) -> None:
@@ -164,7 +204,14 @@ def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
     if mode is False or is_tracer(value):
         return
     if isinstance(value, jax.Array):
-        if mode == "host" or bool(_all_finite(value)):
+        if mode == "host":
+            return
+        # A host-resident array is read in place (no dispatch of a reduction, no transfer);
+        # a device array is reduced on its device and only the verdict comes back.
+        if _on_cpu(value):
+            if np.isfinite(np.asarray(value)).all():
+                return
+        elif bool(_all_finite(value)):
             return
     elif np.isfinite(np.asarray(value)).all():
         return

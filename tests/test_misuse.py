@@ -88,6 +88,18 @@ MISUSE = {
     "positions_restart": (lambda g, a, c: (_h(g, 0), g.call(CSA_LAYER, 0)["positions"], c), ValueError,
                           r"positions: expected row 0 to continue the cache at 9 \(9 \.\. 17\), "
                           r"got \[0, 1, \.\.\., 8\]"),
+    # Ragged batches (padded slots at -1 after a row's real tokens; tests/test_ragged.py):
+    "positions_padding_inside": (lambda g, a, c: (np.repeat(_h(g), 2, 1), np.asarray([[-1, 9]], np.int32), c),
+                                 ValueError, r"positions: expected row 0's real tokens first, then its padded "
+                                             r"slots \(-1\), got \[-1, 9\]"),
+    "positions_only_padding": (lambda g, a, c: (_h(g), np.asarray([[-1]], np.int32), c), ValueError,
+                               r"positions: expected at least one real token \(>= 0\) in the call, got only padded "
+                               r"slots \(-1\) in all 1 rows"),
+    "positions_below_padding": (lambda g, a, c: (_h(g), np.asarray([[-2]], np.int32), c), ValueError,
+                                r"positions: expected values >= 0, or -1 for padded slots, got row 0 = \[-2\]"),
+    "positions_padded_gap": (lambda g, a, c: (np.repeat(_h(g), 2, 1), np.asarray([[10, -1]], np.int32), c),
+                             ValueError, r"positions: expected row 0 to continue the cache at 9 \(9 \.\. 9\), "
+                                         r"got \[10, -1\]"),
     "batch_size": (lambda g, a, c: (np.repeat(_h(g), 2, 0), np.repeat(_p(g), 2, 0), c), ValueError,
                    r"hidden_states: expected batch size 1 \(the cache's\), got 2"),
     "nan_numpy": (lambda g, a, c: (np.where(np.arange(64) == 5, np.nan, _h(g)).astype(np.float32), _p(g), c),
@@ -228,11 +240,25 @@ def test_under_jit_checkify_names_positions_and_room(tiny):
         err.throw()
     assert _leaves_equal(after, cache)  # and the overflow rule still holds
     next_call_is_reference(tiny, attn, cache)
+    # Ragged batches pass (rows at their own lengths, padding after the real tokens) ...
     ragged = attn.init_cache(2, 10).replace(length=np.asarray([9, 4], np.int32))
-    err, _ = step(jnp.asarray(np.repeat(c1["hidden"], 2, axis=0)), np.asarray([[9], [4]], np.int32), ragged)
-    with pytest.raises(checkify.JaxRuntimeError, match=r"cache.length: expected all rows at one length \(ragged "
-                                                       r"batches are not supported yet\), got \[9 4\]"):
-        err.throw()
+    x2 = jnp.asarray(np.repeat(np.repeat(c1["hidden"], 2, axis=0), 2, axis=1))
+    err, _ = step(x2, np.asarray([[9, -1], [4, 5]], np.int32), ragged)
+    assert err.get() is None
+    # ... and the ragged misuse is named as the eager checks name it.
+    for positions, pattern in (
+        ([[-1, 9], [4, 5]], r"positions: expected row 0's real tokens first, then its padded slots \(-1\), "
+                            r"got \[-1 \.\. 9\]"),
+        ([[-1, -1], [-1, -1]], r"positions: expected at least one real token \(>= 0\) in the call, got only "
+                               r"padded slots \(-1\) in all 2 rows"),
+        ([[9, -1], [5, 6]], r"positions: expected row 1 to continue the cache at 4 \(4 \.\. 5\), got \[5 \.\. 6\]"),
+        ([[9, -2], [4, 5]], r"positions: expected values >= 0, or -1 for padded slots, got row 0"),
+        ([[9, 10], [4, 5]], r"hidden_states: expected at most 1 new tokens \(the cache holds 9 of max_seq_len=10\), "
+                            r"got 2 in row 0"),
+    ):
+        err, _ = step(x2, np.asarray(positions, np.int32), ragged)
+        with pytest.raises(checkify.JaxRuntimeError, match=pattern):
+            err.throw()
 
 
 def test_the_default_step_has_no_checks(tiny, csa):
