@@ -59,9 +59,11 @@ def scatter_rows(target: Array, index: Array, values: Array) -> Array:
     target: [B, N, ...], index: [B, J] int, values: [B, J, ...] -> [B, N, ...] (a new array).
     """
     xp = namespace(target, index, values)
-    batch = xp.arange(target.shape[0])[:, None]
     if xp is jnp:
-        return target.at[batch, index].set(values.astype(target.dtype), mode="drop")
+        # One scatter per row, vmapped: with no explicit batch index, XLA's partitioner keeps a
+        # batch-sharded target's writes on their shard (a [batch, index] scatter all-gathers the
+        # updates across the batch axis first).
+        return jax.vmap(lambda t, i, v: t.at[i].set(v, mode="drop"))(target, index, values.astype(target.dtype))
     out = np.array(target, copy=True)
     keep = (index >= 0) & (index < target.shape[1])
     b, j = np.nonzero(keep)

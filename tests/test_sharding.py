@@ -281,6 +281,24 @@ def test_the_break_is_a_per_shard_call_in_a_manual_region(mesh_name, mode, targe
     assert operands.startswith(f"tensor<{local}x{N}x{TINY.index_n_heads}x"), operands[:80]  # the shard's queries
 
 
+@needs_8
+@pytest.mark.parametrize("layer_type", [CSA, HCA])
+def test_cache_writes_stay_on_their_batch_shard(layer_type):
+    """A decode step on a data mesh compiles without collectives: the cache writes (per-row
+    scatters, `backend.scatter_rows`) stay on the shard that holds the row."""
+    mesh = _mesh("data")
+    attn = _layer(layer_type, "none", mesh=mesh)
+    x, pos = _inputs()
+    _, cache = attn(jnp.asarray(x), jnp.asarray(pos), attn.init_cache(BATCH, MAX_LEN))
+    step_x = jnp.asarray(x[:, :1])
+    step_pos = jnp.full((BATCH, 1), N, jnp.int32)
+    compiled = sharding.step_function().lower(attn.weights(), cache.replace(layer_idx=-1), step_x, step_pos,
+                                              spec=attn.step_spec()).compile().as_text()
+    collectives = [ln.strip()[:120] for ln in compiled.splitlines()
+                   if any(op in ln for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"))]
+    assert not collectives, collectives[:5]
+
+
 # ---------------------------------------------------------------------------- how the mesh arrives
 @needs_8
 @pytest.mark.parametrize(("mode", "wrapper"), [("narrow-host", "nnx.jit"), ("wide", "jax.jit in set_mesh")])
