@@ -4,14 +4,7 @@
 # execution mode), then time the selection alone (bench/topk.py) and V4-Flash decode steps in
 # every mode (bench/run.py).      device run:  bash bench/gpu_device_break.sh   (records in $OUT)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/dsv4_out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-t0=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-python3 -c "import dsv4_jax, json; print(json.dumps(dsv4_jax.native_info()['cuda']))"
+source "$(dirname "$0")/gpu_build.sh"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_attention.py \
   -k "test_native or native or device or agree_on_csa" >"$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -8
 timeout 120 python3 bench/topk.py --json "$OUT/gpu_topk.json" 2>&1 | tail -32

@@ -4,10 +4,7 @@
 # rebuild, the native gates in float32 (tests/test_native.py), and the selection timings.
 #   device run:  bash bench/gpu_device_break_recheck.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/dsv4_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
+source "$(dirname "$0")/gpu_build.sh"
 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_native.py >"$OUT/gpu_tests.log" 2>&1
 echo "tests rc=$?"; tail -2 "$OUT/gpu_tests.log"
 timeout 80 python3 bench/topk.py --repeats 15 --json "$OUT/gpu_topk.json" 2>&1 | tail -32

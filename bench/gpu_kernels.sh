@@ -4,14 +4,9 @@
 # (bench/topk.py with kernel device times), then the 4-layer stacks (bench/stack.py).
 #                                   device run:  bash bench/gpu_kernels.sh   (records in $OUT)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-OUT=${OUT:-/tmp/dsv4_out}; mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 PROF="--xla_enable_command_buffers_during_profiling=true"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-t0=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+source "$(dirname "$0")/gpu_build.sh"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_attention.py \
   -k "native or device or agree_on_csa" >"$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"
 grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -8

@@ -6,17 +6,10 @@
 # programs of bench/topk.py.            device run:  bash bench/gpu_stack.sh   (records in $OUT)
 # STACK_ARGS overrides the stack run's arguments (e.g. a shorter matrix).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/dsv4_out}; mkdir -p "$OUT"
 # Command buffers stay on while the profiler runs (XLA turns them off by default then).
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-t0=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-python3 -c "import dsv4_jax, json; print(json.dumps(dsv4_jax.native_info()['cuda']))"
+source "$(dirname "$0")/gpu_build.sh"
 # The mixed stack (CSA, HCA, CSA, HCA) over the whole matrix, with the profiles; then the
 # per-type stacks at the issue's target shapes.
 timeout ${STACK_TIMEOUT:-300} python3 bench/stack.py --size flash --stacks mixed --json "$OUT/h200_stack_mixed.json" \

@@ -1,0 +1,12 @@
+# Sourced by the bench/gpu_*.sh device scripts: the common start of one H200 call. Sets OUT
+# (default /tmp/dsv4_out) and t0, records the card (gpu.txt), builds the package with its CUDA
+# handlers (build.log; the call stops with the log's tail if the build fails) and prints what
+# was built.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/dsv4_out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+t0=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+python3 -c "import dsv4_jax, json; print(json.dumps(dsv4_jax.native_info()['cuda']))"
