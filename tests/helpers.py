@@ -138,3 +138,19 @@ def pad_picks(picks: np.ndarray, k: int) -> np.ndarray:
     if missing <= 0:
         return picks.astype(np.int32)
     return np.concatenate([picks, -np.ones((*picks.shape[:-1], missing), picks.dtype)], -1).astype(np.int32)
+
+
+def assert_trees_close(got, expected, what: str, *, rtol: float, atol: float, same_dtypes: bool = False) -> None:
+    """Two pytrees of arrays agree: the same structure, integer leaves (picks, lengths) equal,
+    float leaves within `rtol`/`atol`; with `same_dtypes`, every leaf's dtype and shape too."""
+    g_leaves, g_tree = jax.tree.flatten(got)
+    e_leaves, e_tree = jax.tree.flatten(expected)
+    assert g_tree == e_tree, what
+    for i, (g, e) in enumerate(zip(g_leaves, e_leaves)):
+        g, e = np.asarray(g), np.asarray(e)
+        if same_dtypes:
+            assert g.dtype == e.dtype and g.shape == e.shape, (what, i)
+        if g.dtype.kind in "iu":
+            np.testing.assert_array_equal(g, e, err_msg=f"{what}: leaf {i}")
+        else:
+            np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=f"{what}: leaf {i}")

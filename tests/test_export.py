@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import NATIVE_BUILT, random_layer
+from helpers import NATIVE_BUILT, assert_trees_close, random_layer
 
 import dsv4_jax
 from dsv4_jax import CSA, HCA, SLIDING
@@ -35,16 +35,7 @@ def _inputs(n=N, start=0):
 
 
 def _assert_trees_equal(got, expected, what):
-    g_leaves, g_tree = jax.tree.flatten(got)
-    e_leaves, e_tree = jax.tree.flatten(expected)
-    assert g_tree == e_tree, what
-    for i, (g, e) in enumerate(zip(g_leaves, e_leaves)):
-        g, e = np.asarray(g), np.asarray(e)
-        assert g.dtype == e.dtype and g.shape == e.shape, (what, i)
-        if g.dtype.kind in "iu":
-            np.testing.assert_array_equal(g, e, err_msg=f"{what}: leaf {i}")
-        else:
-            np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6, err_msg=f"{what}: leaf {i}")
+    assert_trees_close(got, expected, what, rtol=1e-6, atol=1e-6, same_dtypes=True)
 
 
 @pytest.mark.parametrize(("layer_type", "with_intermediates"), [(CSA, True), (HCA, False)])

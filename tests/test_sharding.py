@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import execution, random_layer
+from helpers import assert_trees_close, execution, random_layer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -121,15 +121,7 @@ def _reference(layer_type):
 
 
 def _assert_close_trees(got, expected, what):
-    g_leaves, g_tree = jax.tree.flatten(got)
-    e_leaves, e_tree = jax.tree.flatten(expected)
-    assert g_tree == e_tree, what
-    for i, (g, e) in enumerate(zip(g_leaves, e_leaves)):
-        g, e = np.asarray(g), np.asarray(e)
-        if g.dtype.kind in "iu":
-            np.testing.assert_array_equal(g, e, err_msg=f"{what}: leaf {i}")
-        else:
-            np.testing.assert_allclose(g, e, **TOL, err_msg=f"{what}: leaf {i}")
+    assert_trees_close(got, expected, what, **TOL)
 
 
 def _placed(array, mesh, *spec) -> bool:
