@@ -10,7 +10,8 @@
 #   to build/peer_site, which stays on the warm machine between calls):
 #       1. carry build/peer_wheels:  bash bench/gpu_maxtext.sh --install-only        (~40 s)
 #       2. carry build/hf_wheels:    LAYERS=csa bash bench/gpu_maxtext.sh            (~5.5 min)
-#       3.                           LAYERS=hca bash bench/gpu_maxtext.sh            (~5 min)
+#       3.                           LAYERS=hca bash bench/gpu_maxtext.sh            (~5 min;
+#          BATCHES=1,8 for ~4 min)
 #       4. optional:                 bash bench/gpu_maxtext.sh --tests   (the float32 agreement
 #          tests on the box's CPU, live HF included)
 #   Records: $OUT/h200_flash_maxtext_<layers>.{json,log}; without build/hf_wheels the HF peer is
@@ -77,7 +78,7 @@ fi
 # the big user), torch the rest; HF calls whose estimate exceeds 30 GB are capped.
 LAYERS=${LAYERS:-csa,hca}; name="h200_flash_maxtext_${LAYERS/,/_}"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout 500 python3 bench/run.py --size flash --layers "$LAYERS" --modes none \
-  --batches 1,8,32 --peers hf-torch,maxtext-jax --hf-mem-gb 30 --no-cmdbuf --no-ceilings --no-progress \
+  --batches ${BATCHES:-1,8,32} --peers hf-torch,maxtext-jax --hf-mem-gb 30 --no-cmdbuf --no-ceilings --no-progress \
   --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
 echo "run rc=$? ($(( $(date +%s) - t0 )) s)"
 grep -v "NO-OP\|RequestsDependency\|warnings.warn\|WARNING:absl\|^ *$" "$OUT/$name.log" | tail -60
