@@ -49,9 +49,9 @@ Limits: the mesh's axes must be `AxisType.Auto` (`make_mesh` builds one; `jax.ma
 default is Explicit, where every op of the step would need explicit output shardings); the
 layer is not meant to be called inside a user's own `shard_map`; the eager call's
 ``cache.length`` is its host mirror (a NumPy array), so it is the one cache leaf without a
-device sharding. The cache writes (`backend.scatter_rows`, an explicit batch index) are not
-split by XLA's partitioner: it all-gathers each call's writes (bounded by the call's tokens,
-not the cache) before writing them shard-wise; a vmapped per-row scatter would not.
+device sharding. The cache writes (`backend.scatter_rows`) are vmapped per-row scatters,
+which XLA's partitioner splits along the batch: a decode step on a data mesh compiles with no
+collective (tests/test_sharding.py checks it).
 """
 
 from __future__ import annotations
@@ -313,7 +313,9 @@ def shard_layer(attn, mesh, rules=None):
     specs = param_partition_specs(attn, mesh, rules)
     spec_of = {path: var.get_value() for path, var in nnx.to_flat_state(specs)}
     for path, var in nnx.to_flat_state(nnx.state(attn, nnx.Param)):
-        var[...] = jax.device_put(var[...], lay.sharding(spec_of[path]))
+        # set_value, not ``var[...] =``: that writes into the old array (a scatter), which fails
+        # when the old array is committed to another device set.
+        var.set_value(jax.device_put(var.get_value(), lay.sharding(spec_of[path])))
     attn.mesh = mesh
     attn.sharding_rules = None if rules is LOGICAL_AXIS_RULES else rules
     return attn

@@ -188,6 +188,12 @@ def test_shard_layer_places_parameters_and_init_cache_shards_the_cache():
     _assert_cache_sharding(cache, cache, mesh)
     built = dsv4_jax.DeepseekV4Attention(TINY, LAYER[CSA], rngs=nnx.Rngs(1), mesh=mesh)
     assert _placed(built.weights().sinks, mesh, "model")
+    # Re-sharding a placed layer (its arrays committed to the first mesh's devices) onto
+    # another mesh replaces the arrays; it does not write into the old ones.
+    other = sharding.make_mesh(2, 2, devices=jax.devices()[4:])
+    sharding.shard_layer(attn, other)
+    assert _placed(attn.weights().q_b_proj, other, None, "model")
+    _assert_close_trees(attn.weights(), before, "values unchanged after re-sharding")
 
 
 # ---------------------------------------------------------------------------- = one device
