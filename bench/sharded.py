@@ -394,7 +394,8 @@ def _fmt(v, spec=".3f"):
 
 def markdown(records: list, meta: dict) -> str:
     env = meta.get("environment", {})
-    lines = [f"Devices: {', '.join(env.get('devices', []))}; jax {env.get('jax_version')}; {meta.get('started', '')[:16]} UTC",
+    lines = [f"Devices: {', '.join(env.get('devices', []))}; jax {env.get('jax_version')}; "
+             f"{meta.get('started', '')[:16]} UTC",
              "",
              "| layer | mode | case | mesh | step ms | vs 1 device | efficiency | max abs diff / out max "
              "| picks identical | collectives (HLO) | top-level thunks |",

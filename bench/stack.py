@@ -69,6 +69,7 @@ from bench import floor as floor_mod  # noqa: E402
 from bench import measure  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from dsv4_jax import attention as attention_mod  # noqa: E402
+from dsv4_jax import backend  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 
 STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
@@ -310,18 +311,20 @@ def environment() -> dict:
 
 
 def run(args, write=None) -> tuple[list, dict]:
+    if getattr(args, "dot_min_rows", None) is not None:
+        backend.DOT_MIN_ROWS = args.dot_min_rows
     cfg = stack_config(args.size, args.layers_per_stack)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     env = environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
-            "stacks": args.stacks, **env}
+            "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS, **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefills.split(",")] if args.prefills else []
-    for mode in args.modes.split(","):
+    for mode in ([] if args.call_overhead_only else args.modes.split(",")):
         for kind in args.stacks.split(","):
             stack = Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, mode)
             base = {"size": args.size, "stack": kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
@@ -365,7 +368,7 @@ def run(args, write=None) -> tuple[list, dict]:
                     if write:
                         write(records, meta)
             del stack
-    if args.call_overhead:
+    if args.call_overhead or args.call_overhead_only:
         records.append({**call_overhead(args.call_overhead_size, dtype if gpu else jnp.float32, args.steps,
                                         max(args.repeats, 3), args.seed), **env})
         print(_line(records[-1]), file=sys.stderr, flush=True)
@@ -448,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-dir", default="/tmp/dsv4_stack_profile")
     ap.add_argument("--call-overhead", action="store_true", help="also time the module call vs the jitted step")
     ap.add_argument("--call-overhead-size", default="tiny", choices=("tiny", "small", "flash"))
+    ap.add_argument("--call-overhead-only", action="store_true",
+                    help="time only the module call vs the jitted step (no stacks); --steps x --repeats calls")
+    ap.add_argument("--dot-min-rows", type=int, default=None,
+                    help="set dsv4_jax.backend.DOT_MIN_ROWS (single-token projections on that many rows; "
+                         "read at trace time: one value per process)")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

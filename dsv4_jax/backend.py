@@ -50,7 +50,45 @@ def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) ->
         dtype = np.dtype(out_dtype)
         a32, b32 = (np.asarray(v).astype(dtype).astype(np.float32) for v in (a, b))
         return np.einsum(subscripts, a32, b32, optimize=True).astype(dtype)
-    return jnp.einsum(subscripts, a.astype(out_dtype), b.astype(out_dtype), precision=precision)
+    a, b = a.astype(out_dtype), b.astype(out_dtype)
+
+    def plain(a, b):
+        return jnp.einsum(subscripts, a, b, precision=precision)
+
+    if not _single_token_projection(subscripts, a):
+        return plain(a, b)
+
+    def on_rows(rows):
+        # The one real row first, zeros after it; rows are independent, so row 0 is the same
+        # product (rounded by whichever GEMM the backend picks).
+        def padded(a, b):
+            pad = jnp.zeros((rows - 1, *a.shape[1:]), a.dtype)
+            return plain(jnp.concatenate([a, pad], axis=0), b)[:1]
+        return padded
+
+    if DOT_MIN_ROWS is not None:
+        return (on_rows(DOT_MIN_ROWS) if DOT_MIN_ROWS > 1 else plain)(a, b)
+    # Chosen when the program is lowered for its platform (also for an exported program).
+    return jax.lax.platform_dependent(a, b, cuda=on_rows(GPU_DOT_ROWS), default=plain)
+
+
+# A dense projection of a single token (B = S = 1: a decode step of one row) is a
+# matrix-vector product, which XLA:GPU (jax 0.11) emits as reduction fusions at a fraction of
+# the memory bandwidth; on 8 rows (the real one, then zeros) it is a GEMM. On the H200 that
+# took the input projections of a V4-Flash B = 1 decode step from 65 to 13 us per layer
+# (bench/RESULTS.md, issue 9). On the CPU the padding costs 2x (XLA:CPU's GEMV is fine), so it
+# is CUDA only. DOT_MIN_ROWS (None: that choice per platform) forces a row count everywhere:
+# bench/stack.py --dot-min-rows sets it for A/B runs. Read at trace time.
+GPU_DOT_ROWS = 8
+DOT_MIN_ROWS: int | None = None
+
+
+def _single_token_projection(subscripts: str, a: Array) -> bool:
+    """Whether `a @ b` is a projection ("bs...,<no b or s>->bs...") of a single token."""
+    if not subscripts.startswith("bs") or a.shape[0] * a.shape[1] != 1:
+        return False
+    rhs = subscripts.split(",")[1].split("->")[0]
+    return "b" not in rhs and "s" not in rhs
 
 
 def scatter_rows(target: Array, index: Array, values: Array) -> Array:

@@ -73,3 +73,54 @@ def test_bf16_operands_accumulate_in_float32_and_round_once(out_dtype, want):
     for got in (host, graph):
         assert got.dtype == np.dtype(out_dtype)
         assert got.astype(np.float64).item() == want
+
+
+def test_single_token_projections_on_more_rows_give_the_same_values(monkeypatch):
+    """A B = S = 1 projection on zero-padded rows (on CUDA by default, where a one-row dot
+    becomes a slow reduction; forced here with `DOT_MIN_ROWS`) keeps the first row: the same
+    values, and the whole decode step of one row equals the plain one. On the CPU the default
+    (None) computes the plain one-row product."""
+    import jax
+    from helpers import random_layer
+
+    import dsv4_jax
+    from dsv4_jax import backend
+    from dsv4_jax.attention import attention_step
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    grouped = jnp.asarray(rng.standard_normal((1, 1, 4, 16)), jnp.float32)
+    wg = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
+    plain = (einsum("bsh,hl->bsl", x, w, out_dtype=jnp.float32),
+             einsum("bsgi,gir->bsgr", grouped, wg, out_dtype=jnp.float32))
+    cfg = dsv4_jax.DeepseekV4Config.tiny()
+    attn = random_layer(cfg, cfg.layer_types.index(dsv4_jax.CSA), break_mode="none")
+    cache = attn.init_cache(1, 32)
+    prompt = jnp.asarray(rng.standard_normal((1, 12, cfg.hidden_size)), jnp.float32)
+    _, cache = attn(prompt, np.arange(12, dtype=np.int32)[None], cache)
+    token = jnp.asarray(rng.standard_normal((1, 1, cfg.hidden_size)), jnp.float32)
+    steps = []
+    for rows in (None, 1, 3):
+        monkeypatch.setattr(backend, "DOT_MIN_ROWS", rows)
+        jax.clear_caches()  # the value is read when tracing, and jax shares traces between jits of a function
+        step = jax.jit(attention_step, static_argnames="spec")
+        args = (attn.weights(), cache.replace(length=jnp.asarray(cache.length), layer_idx=-1), token,
+                jnp.asarray([[12]], jnp.int32))
+        out, new_cache, _ = step(*args, spec=attn.step_spec())
+        steps.append((out, new_cache))
+        # The projections of the hidden states ([1, 1, 64]) run on 3 rows only where asked.
+        text = step.lower(*args, spec=attn.step_spec()).as_text()
+        assert ("tensor<3x1x64x" in text) == (rows == 3)
+        assert "tensor<8x1x64x" not in text  # CUDA's 8 rows are not lowered for the CPU
+        if rows == 3:
+            padded = (einsum("bsh,hl->bsl", x, w, out_dtype=jnp.float32),
+                      einsum("bsgi,gir->bsgr", grouped, wg, out_dtype=jnp.float32))
+            for a, b in zip(plain, padded):
+                assert a.shape == b.shape
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    for out, new_cache in steps[1:]:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(steps[0][0]), rtol=1e-6, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(steps[0][1])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    jax.clear_caches()  # no trace made with 3 rows outlives the test
