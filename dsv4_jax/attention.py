@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import weakref
 from typing import Any
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from . import breaks, indexer, sharding, validation
+from . import backend, breaks, indexer, sharding, validation
 from .backend import QUERY_BLOCK, Array, einsum
 from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows, real_tokens
 from .compressor import CompressorWeights, compress, project, visible_entries
@@ -129,6 +130,20 @@ class StepSpec:
     return_intermediates: bool = False
     checks: bool = False  # in-graph `checkify.check`s of positions and room (see `check_in_graph`)
 
+    # `jax.jit` hashes its static arguments on every dispatch: the dataclass hash (over the whole
+    # config) is computed once per spec and kept beside the fields (equal specs hash equal: the
+    # same function of the same fields). Not pickled: string hashes differ between processes.
+    def __hash__(self) -> int:
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def break_mode(self) -> str:
         return self.plan.mode
@@ -209,7 +224,8 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     # trains the indexer only (its picks pass no gradient back to q_residual anyway).
     q_in = inputs.q_residual
     if not isinstance(q_in, np.ndarray):  # the wide break's host twin runs on NumPy arrays
-        q_in = jax.lax.stop_gradient(q_in)
+        # Its own operand, not wq_b's (`backend.unshared`: no per-step weight concatenation).
+        q_in = jax.lax.stop_gradient(backend.unshared(q_in, 2)[1])
     with jax.named_scope("indexer_queries"):
         queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
                                 n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
@@ -262,18 +278,21 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
 
     # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
     with jax.named_scope("input_projections"):
-        q_residual = rms_norm(einsum("bsh,hl->bsl", x, weights.q_a_proj, out_dtype=dtype, precision=prec),
+        # One operand per GEMM (`backend.unshared`: keeps XLA from concatenating the weights).
+        n_gemms = 2 + 2 * (weights.compressor is not None) + 3 * (weights.indexer is not None)
+        xs = iter(backend.unshared(x, n_gemms))
+        q_residual = rms_norm(einsum("bsh,hl->bsl", next(xs), weights.q_a_proj, out_dtype=dtype, precision=prec),
                               weights.q_a_norm, cfg.rms_norm_eps)
-        kv = rms_norm(einsum("bsh,hd->bsd", x, weights.kv_proj, out_dtype=dtype, precision=prec),
+        kv = rms_norm(einsum("bsh,hd->bsd", next(xs), weights.kv_proj, out_dtype=dtype, precision=prec),
                       weights.kv_norm, cfg.rms_norm_eps)
         inputs = StageInputs(q_residual=q_residual, kv=kv)
         if weights.compressor is not None:
-            ckv, cgate = project(x, weights.compressor, dtype, prec)
+            ckv, cgate = project((next(xs), next(xs)), weights.compressor, dtype, prec)
             inputs = inputs.replace(compressor_kv=ckv, compressor_gate=cgate)
         if weights.indexer is not None:
-            ikv, igate = project(x, weights.indexer.compressor, dtype, prec)
+            ikv, igate = project((next(xs), next(xs)), weights.indexer.compressor, dtype, prec)
             inputs = inputs.replace(indexer_kv=ikv, indexer_gate=igate,
-                                    indexer_weights=head_weights(x, weights.indexer.weights_proj,
+                                    indexer_weights=head_weights(next(xs), weights.indexer.weights_proj,
                                                                  cfg.index_n_heads, dtype, prec))
 
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
@@ -459,29 +478,54 @@ class Indexer(nnx.Module):
 
 
 # The device twin of each host length mirror an eager call made: id(mirror) -> (weak reference
-# to the mirror, its value when made, the step's device length). A mirror changed in place, or
-# one this layer did not make, is uploaded as before.
+# to the mirror, its values when made (a list of ints), the step's device length). A mirror
+# changed in place, or one this layer did not make, is uploaded as before.
 _DEVICE_LENGTHS: dict[int, tuple] = {}
 
 
-def _remember_device_length(mirror: np.ndarray, device_length) -> None:
+def _remember_device_length(mirror: np.ndarray, device_length, values: list | None = None) -> None:
     key = id(mirror)
     _DEVICE_LENGTHS[key] = (weakref.ref(mirror, lambda _, k=key: _DEVICE_LENGTHS.pop(k, None)),
-                            mirror.copy(), device_length)
+                            mirror.tolist() if values is None else values, device_length)
 
 
-def _device_length(length):
-    hit = _DEVICE_LENGTHS.get(id(length)) if isinstance(length, np.ndarray) else None
-    if hit is None or hit[0]() is not length or not np.array_equal(hit[1], length):
+def _device_length(length, checked: list | None = None):
+    """The device twin of the host mirror `length` where it still holds the values it was made
+    with (`checked`: its values as the checks read them, else read here), else `length`."""
+    hit = _DEVICE_LENGTHS.get(id(length)) if type(length) is np.ndarray else None
+    if hit is None or hit[0]() is not length:
+        return length
+    if hit[1] != (length.tolist() if checked is None else checked):
         return length
     device = hit[2]
-    return length if getattr(device, "is_deleted", lambda: False)() else device
+    return length if getattr(device, "is_deleted", _not_deleted)() else device
 
 
-# Per-layer memos of `weights()` and `step_spec()`, outside the modules (NNX would otherwise
-# treat the cached arrays as part of the module's graph). Weak keys: they go with the layer.
+def _not_deleted() -> bool:
+    return False
+
+
+def _with(cache: AttentionCache, layer_idx: int, length) -> AttentionCache:
+    """``cache.replace(layer_idx=..., length=...)`` without `dataclasses.replace`'s field walk
+    (a copy of the instance's fields; only for `AttentionCache` itself, which has no
+    ``__post_init__``)."""
+    if type(cache) is not AttentionCache:
+        return cache.replace(layer_idx=layer_idx, length=length)
+    new = object.__new__(AttentionCache)
+    fields = new.__dict__
+    fields.update(cache.__dict__)
+    fields["layer_idx"] = layer_idx
+    fields["length"] = length
+    return new
+
+
+# Per-layer memos of `weights()`, `step_spec()` and of the calls' static checks, outside the
+# modules (NNX would otherwise treat the cached arrays as part of the module's graph). Weak
+# keys: they go with the layer.
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAX_CALL_KEYS = 64  # input structures remembered per layer (then the memo starts over)
 
 
 def _parameter_arrays(module: nnx.Module) -> list:
@@ -494,6 +538,70 @@ def _parameter_arrays(module: nnx.Module) -> list:
         elif value is not None:
             out.append(_array(value))
     return out
+
+
+_RAW_VALUE = operator.methodcaller("get_raw_value")
+
+
+def _parameter_probe(module: nnx.Module):
+    """What `weights()` compares by identity to know its pytree is current, without walking the
+    modules: (attribute dicts, names, the objects they held, the parameters, their arrays). None
+    where a parameter holds something else than a plain array (then the walk, each call)."""
+    owners, names, held, params, raws = [], [], [], [], []
+
+    def walk(m) -> bool:
+        fields = m.__dict__
+        for name in _FIELD_NAMES.get(type(m), ()):
+            value = fields.get(name)
+            owners.append(fields)
+            names.append(name)
+            held.append(value)
+            if isinstance(value, nnx.Module):
+                if not walk(value):
+                    return False
+            elif value is not None:
+                raw = value.get_raw_value() if hasattr(value, "get_raw_value") else None
+                if not isinstance(raw, (jax.Array, np.ndarray)):
+                    return False
+                params.append(value)
+                raws.append(raw)
+        return True
+
+    return (tuple(owners), tuple(names), tuple(held), tuple(params), tuple(raws)) if walk(module) else None
+
+
+def _probe_holds(probe) -> bool:
+    owners, names, held, params, raws = probe
+    return (all(map(operator.is_, map(dict.get, owners, names), held))
+            and all(map(operator.is_, map(_RAW_VALUE, params), raws)))
+
+
+def _layer_state(layer) -> tuple:
+    """Everything of the layer that the static checks, the step's spec and its choice read
+    (compared by identity/equality: a change of any of them starts the call memo over)."""
+    mesh = layer.mesh
+    return (layer.config, layer.layer_idx, layer.layer_type, layer.break_mode, layer.break_on, layer.kernels,
+            layer.dtype, layer.param_dtype, layer.precision, layer.query_block, layer.donate_cache,
+            layer.checkify, mesh, layer.sharding_rules, sharding.context_mesh() if mesh is None else None)
+
+
+_ARRAY_TYPES = (np.ndarray, type(jnp.zeros(())))  # concrete inputs (never tracers)
+
+
+def _call_key(hidden_states, positions, cache, return_intermediates) -> tuple | None:
+    """The structure of a call's inputs (types, shapes, dtypes, the cache's static fields, array
+    shapes and mesh): all that `validation.check_call`'s static checks, the spec and the step
+    read of them. None for inputs the memo does not take (tracers, other types)."""
+    if (type(cache) is not AttentionCache or type(hidden_states) not in _ARRAY_TYPES
+            or type(positions) not in _ARRAY_TYPES):
+        return None
+    window, comp = cache.window, cache.compressor
+    placed = getattr(window, "sharding", None)
+    return (type(hidden_states), hidden_states.shape, hidden_states.dtype, type(positions), positions.shape,
+            positions.dtype, type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len,
+            type(window), window.shape, window.dtype, None if comp is None else comp.entries.shape,
+            cache.indexer is None, bool(return_intermediates),
+            placed if isinstance(placed, jax.sharding.NamedSharding) else None)
 
 
 def _weights_of(module: nnx.Module, cls):
@@ -648,14 +756,19 @@ class DeepseekV4Attention(nnx.Module):
 
         Built once and reused while every parameter still holds the same array (checked by
         identity each call: an assignment, a loaded checkpoint or an optimizer update makes a
-        new pytree). The cache lives outside the module (`_WEIGHTS`), so NNX never sees it."""
+        new pytree). The cache lives outside the module (`_WEIGHTS`), so NNX never sees it; it
+        keeps a probe of the attributes, parameters and arrays it was built from, so that the
+        check is a few identity comparisons rather than a walk of the modules."""
+        hit = _WEIGHTS.get(self)
+        if hit is not None and hit[0] is not None and _probe_holds(hit[0]):
+            return hit[2]  # the same parameters still hold the same arrays (the probe's identities)
         arrays = _parameter_arrays(self)
         key = tuple(map(id, arrays))
-        hit = _WEIGHTS.get(self)
-        if hit is not None and hit[0] == key:  # the cached pytree holds these very arrays
-            return hit[1]
-        weights = _weights_of(self, AttentionWeights)
-        _WEIGHTS[self] = (key, weights)
+        if hit is not None and hit[1] == key:  # the cached pytree holds these very arrays
+            weights = hit[2]
+        else:
+            weights = _weights_of(self, AttentionWeights)
+        _WEIGHTS[self] = (_parameter_probe(self), key, weights)
         return weights
 
     @property
@@ -706,6 +819,17 @@ class DeepseekV4Attention(nnx.Module):
         ``checkify=True``, become `checkify` checks), and a call past `max_seq_len` leaves the
         cache unchanged and returns NaN (see `attention_step`).
         """
+        key = _call_key(hidden_states, positions, cache, return_intermediates)
+        memo = _CALLS.get(self) if key is not None else None
+        if memo is not None and memo[0] == _layer_state(self):
+            hit = memo[1].get(key)
+            if hit is not None:  # the static checks passed for this structure: the value checks only
+                before, after = validation.check_values(
+                    hidden_states, positions, cache.length, cache.max_seq_len,
+                    validation.CHECK_FINITE if self.check_finite is None else self.check_finite)
+                return self._run(hit[0], hit[1], hidden_states, positions, cache, return_intermediates,
+                                 before, after)
+        state = None if key is None else _layer_state(self)
         spec, host_length, new_tokens = validation.check_call(self, hidden_states, positions, cache,
                                                               return_intermediates)
         if host_length is None and self.checkify:  # traced: the value checks go into the step
@@ -720,21 +844,41 @@ class DeepseekV4Attention(nnx.Module):
             step = sharding.step_function(self.donate_cache)
         else:
             step = step_function(self.donate_cache)
-        # The layer index is checked above and is no part of the computation: leave it out of
-        # the compiled step's identity, so that layers of one type share one program.
+        if host_length is None:
+            # Traced: the layer index is checked above and is no part of the computation.
+            with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
+                anonymous = cache.replace(layer_idx=-1, length=_device_length(cache.length))
+                out, new_cache, intermediates = step(self.weights(), anonymous, hidden_states, positions, spec=spec)
+            new_cache = new_cache.replace(layer_idx=cache.layer_idx)
+            return (out, new_cache, intermediates) if return_intermediates else (out, new_cache)
+        if state is not None:  # remember what passed: the next call of this structure checks values only
+            if memo is None or memo[0] != state or len(memo[1]) >= _MAX_CALL_KEYS:
+                memo = _CALLS[self] = (state, {})
+            memo[1][key] = (spec, step)
+        before = host_length.tolist()
+        after = advance_length(host_length, new_tokens).tolist()
+        return self._run(spec, step, hidden_states, positions, cache, return_intermediates, before, after)
+
+    def _run(self, spec: StepSpec, step, hidden_states, positions, cache: AttentionCache, return_intermediates,
+             before: list, after: list):
+        """Run the checked eager call: the compiled step, then the host length mirror.
+
+        `before`/`after`: the lengths the checks read and the lengths after the call (lists)."""
+        # The layer index is checked and is no part of the computation: leave it out of the
+        # compiled step's identity, so that layers of one type share one program.
         # The step gets the device copy of the host length mirror where this layer made one
         # (uploading the NumPy mirror would cost more dispatch time than the checks save).
-        anonymous = cache.replace(layer_idx=-1, length=_device_length(cache.length))
-        with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
+        anonymous = _with(cache, -1, _device_length(cache.length, before))
+        try:
             out, new_cache, intermediates = step(self.weights(), anonymous, hidden_states, positions, spec=spec)
-        if host_length is None:
-            new_cache = new_cache.replace(layer_idx=cache.layer_idx)
-        else:
-            # The host mirror of the step's new length (see `dsv4_jax.cache`): the next call's
-            # checks need no device round trip; the step's own length is kept beside it.
-            mirror = advance_length(host_length, new_tokens)
-            _remember_device_length(mirror, new_cache.length)
-            new_cache = new_cache.replace(layer_idx=cache.layer_idx, length=mirror)
+        except Exception:
+            with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
+                raise
+        # The host mirror of the step's new length (see `dsv4_jax.cache`): the next call's
+        # checks need no device round trip; the step's own length is kept beside it.
+        mirror = np.array(after, np.int32)
+        _remember_device_length(mirror, new_cache.length, after)
+        new_cache = _with(new_cache, cache.layer_idx, mirror)
         if return_intermediates:
             return out, new_cache, intermediates
         return out, new_cache
