@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call: an A/B of bench/stack.py switches (issue 9), each variant in its own process
 # (the switches are read at trace time). V4-Flash stacks of 4 layers, decode; the mixed stack is
-# profiled per XLA operation (kernel time) at B = 1 and 32, 16k, in every variant.
+# profiled per XLA operation (kernel time) at B = 1 and 32, 16k, in every variant; then the
+# module call against the jitted step.
 #   VARIANTS: '|'-separated extra arguments, one per variant ('' = the package's defaults)
 #   e.g.  VARIANTS='|--merged-projections' bash bench/gpu_ab.sh          device run, one call
 set -uo pipefail
@@ -17,4 +18,8 @@ for v in "${variants[@]}"; do
   echo "variant $i [$v] rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_$i.log" | head -12
   i=$((i + 1))
 done
+# The module call against the jitted step (issue 9's thin-call target), flash CSA decode, B = 1.
+timeout ${CALL_TIMEOUT:-90} python3 bench/stack.py --size flash --call-overhead-only --call-overhead-size flash \
+  --json "$OUT/h200_call_overhead.json" >"$OUT/call_overhead.log" 2>&1
+echo "call overhead rc=$?"; tail -2 "$OUT/call_overhead.log"
 echo "total: $(( $(date +%s) - t0 )) s"
