@@ -4,12 +4,13 @@
 # profiled per XLA operation (kernel time) at B = 1 and 32, 16k, in every variant; then the
 # module call against the jitted step.
 #   VARIANTS: '|'-separated extra arguments, one per variant ('' = the package's defaults)
-#   e.g.  VARIANTS='|--merged-projections' bash bench/gpu_ab.sh          device run, one call
+#   e.g.  VARIANTS='|--dot-min-rows 1' bash bench/gpu_ab.sh               device run, one call
+# (the 2026-12-01 run compared a version with --merged-projections, since removed: bench/RESULTS.md)
 set -uo pipefail
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 source "$(dirname "$0")/gpu_build.sh"
-IFS='|' read -r -a variants <<< "${VARIANTS:-|--merged-projections}"
+IFS='|' read -r -a variants <<< "${VARIANTS:-}"
 i=0
 for v in "${variants[@]}"; do
   timeout ${AB_TIMEOUT:-150} python3 bench/stack.py --size flash --scenarios stack_decode --stacks mixed,csa,hca \

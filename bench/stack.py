@@ -313,15 +313,12 @@ def environment() -> dict:
 def run(args, write=None) -> tuple[list, dict]:
     if getattr(args, "dot_min_rows", None) is not None:
         backend.DOT_MIN_ROWS = args.dot_min_rows
-    if getattr(args, "merged_projections", False):
-        backend.SEPARATE_PROJECTIONS = False
     cfg = stack_config(args.size, args.layers_per_stack)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     env = environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
-            "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS,
-            "separate_projections": backend.SEPARATE_PROJECTIONS, **env}
+            "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS, **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
     batches = [int(b) for b in args.batches.split(",")]
@@ -459,8 +456,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dot-min-rows", type=int, default=None,
                     help="set dsv4_jax.backend.DOT_MIN_ROWS (single-token projections on that many rows; "
                          "read at trace time: one value per process)")
-    ap.add_argument("--merged-projections", action="store_true",
-                    help="dsv4_jax.backend.SEPARATE_PROJECTIONS = False: let XLA merge the input GEMMs (A/B runs)")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

@@ -91,28 +91,6 @@ def _single_token_projection(subscripts: str, a: Array) -> bool:
     return "b" not in rhs and "s" not in rhs
 
 
-def unshared(x: Array, n: int) -> tuple[Array, ...]:
-    """`n` references to `x` that XLA compiles as `n` different operands (small calls only).
-
-    XLA:GPU's dot merger fuses dots that share an operand into one dot over the
-    *concatenation of their other operands*: for our input projections, which share the
-    hidden states, that concatenates ~34 MB of weights (V4-Flash CSA) on every step, 22 us a
-    layer on the H200, to save a few GEMM launches (bench/RESULTS.md, issue 9). Handing each
-    projection its own output of one optimization barrier keeps the dots apart (the barrier
-    is removed after XLA's passes; no copy). Only where the call is small (a decode step:
-    B * S <= SMALL_CALL_ROWS rows), where those 22 us count; `SEPARATE_PROJECTIONS = False`
-    restores the merge for A/B runs. NumPy arrays (the host twin) pass through.
-    """
-    small = x.shape[0] * x.shape[1] <= SMALL_CALL_ROWS
-    if n < 2 or not SEPARATE_PROJECTIONS or not small or namespace(x) is np:
-        return (x,) * n
-    return tuple(jax.lax.optimization_barrier((x,) * n))
-
-
-SEPARATE_PROJECTIONS = True
-SMALL_CALL_ROWS = 256
-
-
 def scatter_rows(target: Array, index: Array, values: Array) -> Array:
     """`target[b, index[b, j]] = values[b, j]`; entries with an out-of-range index are dropped.
 

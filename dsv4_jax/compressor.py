@@ -42,13 +42,10 @@ class CompressorWeights:
     kv_norm: Array
 
 
-def project(x: Array | tuple[Array, Array], w: CompressorWeights, dtype, precision=None) -> tuple[Array, Array]:
-    """The compressor's input GEMMs: x [B, S, hidden] -> (kv, gate), each [B, S, n*Dc].
-
-    `x` may be a pair (the operand of each GEMM: `backend.unshared` copies of one array)."""
-    x_kv, x_gate = x if isinstance(x, tuple) else (x, x)
-    kv = einsum("bsh,hc->bsc", x_kv, w.kv_proj, out_dtype=dtype, precision=precision)
-    gate = einsum("bsh,hc->bsc", x_gate, w.gate_proj, out_dtype=dtype, precision=precision)
+def project(x: Array, w: CompressorWeights, dtype, precision=None) -> tuple[Array, Array]:
+    """The compressor's input GEMMs: x [B, S, hidden] -> (kv, gate), each [B, S, n*Dc]."""
+    kv = einsum("bsh,hc->bsc", x, w.kv_proj, out_dtype=dtype, precision=precision)
+    gate = einsum("bsh,hc->bsc", x, w.gate_proj, out_dtype=dtype, precision=precision)
     return kv, gate
 
 
