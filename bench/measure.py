@@ -144,7 +144,7 @@ def host_breaks(attn, x, pos, cache) -> int:
     """Host callbacks (breaks) in the lowered step for these inputs: count of Python callbacks."""
     spec = attn.step_spec(x.dtype)
     step = attention_mod.step_function(attn.donate_cache)
-    text = step.lower(attn.weights(), cache, x, pos, spec=spec).as_text()
+    text = step.lower(attn.step_weights(), cache, x, pos, spec=spec).as_text()
     return text.count("xla_ffi_python_")
 
 
@@ -248,7 +248,7 @@ class JaxRun:
         steps = dev_inputs["steps"][:n_steps]
         spec = attn.step_spec(steps[0][0].dtype)
         step = attention_mod.step_function(attn.donate_cache)
-        weights = attn.weights()
+        weights = attn.step_weights()  # what the module call hands the step
         cache = cache.replace(length=jnp.asarray(cache.length))
         jax.block_until_ready(cache)
         times = []

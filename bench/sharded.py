@@ -163,7 +163,7 @@ class Placement:
         self.attn, self.mesh = attn, mesh
         if mesh is not None:
             sharding.shard_layer(attn, mesh)
-        self.weights = attn.weights()
+        self.weights = attn.step_weights()  # what the module call hands the step
         self.spec = attn.step_spec()
         self.spec_intermediates = attn.step_spec(return_intermediates=True)
         module = sharding if mesh is not None else attention_mod

@@ -7,7 +7,8 @@
 
 What is timed is the raw compiled step of a *stack*: ``h = h + attention_step(layer_i, h)``
 for each layer, all in one program (residual adds keep the layers sequential), the caches
-donated, no module call (that overhead is measured separately: ``--call-overhead``). Stacks:
+donated, no module call (that overhead is measured separately: ``--call-overhead``; alone,
+without the stacks: ``--call-overhead-only --steps 200 --repeats 5``). Stacks:
 
 ``mixed``  the first N compressed layers of the config in model order: V4-Flash's interleaving
            CSA, HCA, CSA, HCA, ... (N = 4 by default); ``layer_type`` "CSA+HCA".
@@ -111,7 +112,7 @@ STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("c
 class Stack:
     """The layers of one stack (random weights, as `bench/run.py`'s), their specs and weights."""
 
-    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str):
+    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str, fused: bool = True):
         self.cfg, self.kind, self.dtype = cfg, kind, jnp.dtype(dtype)
         self.indices = stack_layer_indices(cfg, kind, n)
         self.layers = []
@@ -120,7 +121,8 @@ class Stack:
             plan_mod.apply_mode(attn, mode)
             self.layers.append(attn)
         self.specs = tuple(a.step_spec() for a in self.layers)
-        self.weights = [a.weights() for a in self.layers]
+        # What the module call hands the step (input projections fused), or the parameters alone.
+        self.weights = [a.step_weights() if fused else a.weights() for a in self.layers]
         self.weight_bytes = [measure.weight_bytes(a) for a in self.layers]
         types = [a.layer_type for a in self.layers]
         self.layer_type = "+".join(plan_mod.SHORT[t] for t in dict.fromkeys(types))
@@ -278,7 +280,7 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     spec = attn.step_spec()
     step = attention_mod.step_function(attn.donate_cache)
     raw_cache = measure.clone(cache).replace(length=jnp.asarray(cache.length), layer_idx=-1)
-    weights = attn.weights()
+    weights = attn.step_weights()
     module_t, raw_t = [], []
     pos = context
     for _ in range(repeats):
@@ -318,7 +320,8 @@ def run(args, write=None) -> tuple[list, dict]:
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     env = environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
-            "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS, **env}
+            "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS,
+            "fused_input_projections": not getattr(args, "unfused_projections", False), **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
     batches = [int(b) for b in args.batches.split(",")]
@@ -326,7 +329,8 @@ def run(args, write=None) -> tuple[list, dict]:
     prefills = [int(p) for p in args.prefills.split(",")] if args.prefills else []
     for mode in ([] if args.call_overhead_only else args.modes.split(",")):
         for kind in args.stacks.split(","):
-            stack = Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, mode)
+            stack = Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, mode,
+                          fused=not getattr(args, "unfused_projections", False))
             base = {"size": args.size, "stack": kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
                     "layer_indices": stack.indices, "mode": mode, "dtype": dtype.name,
                     "native_select": stack.specs[0].plan.native_select if CSA in STACKS[kind] else None,
@@ -456,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dot-min-rows", type=int, default=None,
                     help="set dsv4_jax.backend.DOT_MIN_ROWS (single-token projections on that many rows; "
                          "read at trace time: one value per process)")
+    ap.add_argument("--unfused-projections", action="store_true",
+                    help="hand the step weights() (no input_proj: XLA merges the input GEMMs itself) for A/B runs")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

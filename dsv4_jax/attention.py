@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from . import backend, breaks, indexer, sharding, validation
+from . import breaks, indexer, sharding, validation
 from .backend import QUERY_BLOCK, Array, einsum
 from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows, real_tokens
-from .compressor import CompressorWeights, compress, project, visible_entries
+from .compressor import CompressorWeights, compress, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .indexer import IndexerWeights, head_weights, index_queries
 from .norms import head_rms_norm, rms_norm
@@ -49,6 +49,10 @@ class AttentionWeights:
     q_a_proj [hidden, Lq], q_a_norm [Lq], q_b_proj [Lq, H*D], kv_proj [hidden, D],
     kv_norm [D], o_a_proj [G, H*D/G, R], o_b_proj [G*R, hidden], sinks [H];
     compressor (CSA/HCA) and indexer (CSA) or None.
+
+    input_proj [hidden, N] is derived, not a parameter: the input projections' weights side by
+    side (`fuse_input_projections`; the layer's `step_weights()` adds it), or None. With it the
+    step runs one GEMM for them all; without it, one per projection (same values).
     """
 
     q_a_proj: Array
@@ -61,6 +65,40 @@ class AttentionWeights:
     sinks: Array
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
+    input_proj: Array | None = None
+
+
+DERIVED_WEIGHTS = ("input_proj",)  # AttentionWeights fields that are no parameter of the layer
+
+
+def input_projection_weights(weights: AttentionWeights) -> list:
+    """The input projections' [hidden, n] weights in `input_proj`'s column order: q_a, kv, then
+    the compressor's kv and gate, then the indexer's compressor kv and gate and weights_proj."""
+    parts = [weights.q_a_proj, weights.kv_proj]
+    if weights.compressor is not None:
+        parts += [weights.compressor.kv_proj, weights.compressor.gate_proj]
+    if weights.indexer is not None:
+        parts += [weights.indexer.compressor.kv_proj, weights.indexer.compressor.gate_proj,
+                  weights.indexer.weights_proj]
+    return parts
+
+
+def fuse_input_projections(weights: AttentionWeights) -> AttentionWeights:
+    """`weights` with `input_proj` set: the input projections' weights concatenated once.
+
+    Why: the projections share their input, and XLA:GPU merges such GEMMs into one over the
+    concatenation of their weights; with the weights as step inputs that concatenation (~34 MB
+    for a V4-Flash CSA layer) ran on every step, 22 us a layer on the H200 (bench/RESULTS.md,
+    issue 9). Made here once (the layer's `step_weights()` keeps it while its parameters stay
+    the same arrays), the step gets the merged GEMM without the copy. Costs one more copy of
+    those weights in memory. Under a trace (`nnx.grad`) it is part of the program, as XLA's
+    merge was; gradients reach the separate parameters through it.
+    """
+    parts = input_projection_weights(weights)
+    if any(p is None for p in parts) or not isinstance(parts[0], jax.Array | jax.core.Tracer):
+        return weights.replace(input_proj=None)
+    dtype = jnp.result_type(*parts)
+    return weights.replace(input_proj=jnp.concatenate([p.astype(dtype) for p in parts], axis=1))
 
 
 @struct.dataclass
@@ -224,8 +262,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     # trains the indexer only (its picks pass no gradient back to q_residual anyway).
     q_in = inputs.q_residual
     if not isinstance(q_in, np.ndarray):  # the wide break's host twin runs on NumPy arrays
-        # Its own operand, not wq_b's (`backend.unshared`: no per-step weight concatenation).
-        q_in = jax.lax.stop_gradient(backend.unshared(q_in, 2)[1])
+        q_in = jax.lax.stop_gradient(q_in)
     with jax.named_scope("indexer_queries"):
         queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
                                 n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
@@ -235,6 +272,29 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
                           top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
+
+
+def input_projections(x: Array, weights: AttentionWeights, cfg: DeepseekV4Config, dtype, prec) -> StageInputs:
+    """Stage 1: x [B, S, hidden] -> `StageInputs` (q_residual, kv; the compressors' kv and gate
+    and the indexer's head weights where the layer has them).
+
+    One GEMM over `weights.input_proj` where it is set (then split by the projections'
+    widths), else one GEMM per projection: the same products."""
+    if weights.input_proj is None:
+        outs = [einsum("bsh,hn->bsn", x, w, out_dtype=dtype, precision=prec) for w in input_projection_weights(weights)]
+    else:
+        fused = einsum("bsh,hn->bsn", x, weights.input_proj, out_dtype=dtype, precision=prec)
+        edges = np.cumsum([w.shape[1] for w in input_projection_weights(weights)])[:-1]
+        outs = jnp.split(fused, edges, axis=-1)
+    q_residual = rms_norm(outs[0], weights.q_a_norm, cfg.rms_norm_eps)
+    kv = rms_norm(outs[1], weights.kv_norm, cfg.rms_norm_eps)
+    inputs = StageInputs(q_residual=q_residual, kv=kv)
+    if weights.compressor is not None:
+        inputs = inputs.replace(compressor_kv=outs[2], compressor_gate=outs[3])
+    if weights.indexer is not None:
+        inputs = inputs.replace(indexer_kv=outs[4], indexer_gate=outs[5],
+                                indexer_weights=head_weights(outs[6], cfg.index_n_heads))
+    return inputs
 
 
 def stage_weights(weights: AttentionWeights) -> AttentionWeights:
@@ -248,6 +308,7 @@ def stage_weights(weights: AttentionWeights) -> AttentionWeights:
 
     return weights.replace(
         q_a_proj=None, q_a_norm=None, kv_proj=None, kv_norm=None, o_a_proj=None, o_b_proj=None, sinks=None,
+        input_proj=None,
         compressor=compressor(weights.compressor),
         indexer=None if weights.indexer is None else weights.indexer.replace(
             weights_proj=None, compressor=compressor(weights.indexer.compressor)),
@@ -278,22 +339,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
 
     # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
     with jax.named_scope("input_projections"):
-        # One operand per GEMM (`backend.unshared`: keeps XLA from concatenating the weights).
-        n_gemms = 2 + 2 * (weights.compressor is not None) + 3 * (weights.indexer is not None)
-        xs = iter(backend.unshared(x, n_gemms))
-        q_residual = rms_norm(einsum("bsh,hl->bsl", next(xs), weights.q_a_proj, out_dtype=dtype, precision=prec),
-                              weights.q_a_norm, cfg.rms_norm_eps)
-        kv = rms_norm(einsum("bsh,hd->bsd", next(xs), weights.kv_proj, out_dtype=dtype, precision=prec),
-                      weights.kv_norm, cfg.rms_norm_eps)
-        inputs = StageInputs(q_residual=q_residual, kv=kv)
-        if weights.compressor is not None:
-            ckv, cgate = project((next(xs), next(xs)), weights.compressor, dtype, prec)
-            inputs = inputs.replace(compressor_kv=ckv, compressor_gate=cgate)
-        if weights.indexer is not None:
-            ikv, igate = project((next(xs), next(xs)), weights.indexer.compressor, dtype, prec)
-            inputs = inputs.replace(indexer_kv=ikv, indexer_gate=igate,
-                                    indexer_weights=head_weights(next(xs), weights.indexer.weights_proj,
-                                                                 cfg.index_n_heads, dtype, prec))
+        inputs = input_projections(x, weights, cfg, dtype, prec)
 
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
     if spec.plan.mode == "wide":
@@ -511,11 +557,11 @@ def _with(cache: AttentionCache, layer_idx: int, length) -> AttentionCache:
     ``__post_init__``)."""
     if type(cache) is not AttentionCache:
         return cache.replace(layer_idx=layer_idx, length=length)
-    new = object.__new__(AttentionCache)
-    fields = new.__dict__
-    fields.update(cache.__dict__)
+    fields = cache.__dict__.copy()
     fields["layer_idx"] = layer_idx
     fields["length"] = length
+    new = object.__new__(AttentionCache)
+    object.__setattr__(new, "__dict__", fields)
     return new
 
 
@@ -523,6 +569,7 @@ def _with(cache: AttentionCache, layer_idx: int, length) -> AttentionCache:
 # modules (NNX would otherwise treat the cached arrays as part of the module's graph). Weak
 # keys: they go with the layer.
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STEP_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights(), fused)
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_CALL_KEYS = 64  # input structures remembered per layer (then the memo starts over)
@@ -531,7 +578,7 @@ _MAX_CALL_KEYS = 64  # input structures remembered per layer (then the memo star
 def _parameter_arrays(module: nnx.Module) -> list:
     """Every parameter array of `module` and its submodules, in `_weights_of`'s order."""
     out = []
-    for name in _FIELD_NAMES.get(type(module), ()):
+    for name in _field_names(type(module)):
         value = module.__dict__.get(name)
         if isinstance(value, nnx.Module):
             out.extend(_parameter_arrays(value))
@@ -540,6 +587,18 @@ def _parameter_arrays(module: nnx.Module) -> list:
     return out
 
 
+def _field_names(cls) -> tuple:
+    """The parameter attributes of a module class (`_FIELD_NAMES`; a subclass has its base's)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = next((_FIELD_NAMES[base] for base in cls.__mro__ if base in _FIELD_NAMES), ())
+    return names
+
+
+# How the probe reads a parameter's array: its slot, where the parameter's class reads it there
+# (flax's `Variable.get_raw_value`), else through the method.
+_PLAIN_GET = getattr(nnx.Variable, "get_raw_value", None)
+_RAW_SLOT = operator.attrgetter("_raw_value")
 _RAW_VALUE = operator.methodcaller("get_raw_value")
 
 
@@ -551,7 +610,7 @@ def _parameter_probe(module: nnx.Module):
 
     def walk(m) -> bool:
         fields = m.__dict__
-        for name in _FIELD_NAMES.get(type(m), ()):
+        for name in _field_names(type(m)):
             value = fields.get(name)
             owners.append(fields)
             names.append(name)
@@ -567,41 +626,80 @@ def _parameter_probe(module: nnx.Module):
                 raws.append(raw)
         return True
 
-    return (tuple(owners), tuple(names), tuple(held), tuple(params), tuple(raws)) if walk(module) else None
+    if not walk(module):
+        return None
+    plain = _PLAIN_GET is not None and all(type(p).get_raw_value is _PLAIN_GET for p in params)
+    return tuple(owners), tuple(names), tuple(held), tuple(params), tuple(raws), _RAW_SLOT if plain else _RAW_VALUE
 
 
 def _probe_holds(probe) -> bool:
-    owners, names, held, params, raws = probe
+    """Every attribute still holds the object it held, every parameter the array it held."""
+    owners, names, held, params, raws, read = probe
     return (all(map(operator.is_, map(dict.get, owners, names), held))
-            and all(map(operator.is_, map(_RAW_VALUE, params), raws)))
+            and all(map(operator.is_, map(read, params), raws)))
+
+
+_LAYER_FIELDS = operator.attrgetter("config", "layer_idx", "layer_type", "break_mode", "break_on", "kernels",
+                                     "dtype", "param_dtype", "precision", "query_block", "donate_cache",
+                                     "checkify", "mesh", "sharding_rules")
 
 
 def _layer_state(layer) -> tuple:
-    """Everything of the layer that the static checks, the step's spec and its choice read
-    (compared by identity/equality: a change of any of them starts the call memo over)."""
-    mesh = layer.mesh
-    return (layer.config, layer.layer_idx, layer.layer_type, layer.break_mode, layer.break_on, layer.kernels,
-            layer.dtype, layer.param_dtype, layer.precision, layer.query_block, layer.donate_cache,
-            layer.checkify, mesh, layer.sharding_rules, sharding.context_mesh() if mesh is None else None)
+    """Everything of the layer that the static checks, the step's spec and its choice read,
+    with the mesh of an enclosing ``jax.set_mesh`` (compared by equality, which is identity for
+    unchanged attributes: a change of any of them starts the call memo over)."""
+    return _LAYER_FIELDS(layer), (_context_mesh() if layer.mesh is None else None)
 
 
-_ARRAY_TYPES = (np.ndarray, type(jnp.zeros(())))  # concrete inputs (never tracers)
-
-
-def _call_key(hidden_states, positions, cache, return_intermediates) -> tuple | None:
-    """The structure of a call's inputs (types, shapes, dtypes, the cache's static fields, array
-    shapes and mesh): all that `validation.check_call`'s static checks, the spec and the step
-    read of them. None for inputs the memo does not take (tracers, other types)."""
-    if (type(cache) is not AttentionCache or type(hidden_states) not in _ARRAY_TYPES
-            or type(positions) not in _ARRAY_TYPES):
+def _context_mesh():
+    """`sharding.context_mesh()`, shorter where there is none: JAX sets the abstract mesh with
+    every concrete one (`jax.set_mesh`, and its own jit and shard_map internals), so an empty
+    abstract mesh means no context mesh."""
+    if jax.sharding.get_abstract_mesh().empty:
         return None
-    window, comp = cache.window, cache.compressor
-    placed = getattr(window, "sharding", None)
+    return sharding.context_mesh()
+
+
+def _inputs_key(hidden_states, positions, return_intermediates) -> tuple | None:
+    """The structure of a call's arrays (classes, shapes, dtypes) and options: all that
+    `validation.check_call`'s static checks and the step's spec read of them. None for inputs
+    the memo does not take (tracers, other types)."""
+    concrete = validation._CONCRETE_TYPES
+    if not ((type(hidden_states) in concrete or validation.is_concrete_array(hidden_states))
+            and (type(positions) in concrete or validation.is_concrete_array(positions))):
+        return None
     return (type(hidden_states), hidden_states.shape, hidden_states.dtype, type(positions), positions.shape,
-            positions.dtype, type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len,
-            type(window), window.shape, window.dtype, None if comp is None else comp.entries.shape,
-            cache.indexer is None, bool(return_intermediates),
-            placed if isinstance(placed, jax.sharding.NamedSharding) else None)
+            positions.dtype, bool(return_intermediates))
+
+
+def _cache_key(cache) -> tuple | None:
+    """The structure of a cache (its static fields, the class of its length, its arrays' shapes,
+    dtype and mesh): all that the static checks, the spec and the step's choice read of it.
+    None for anything but an `AttentionCache`."""
+    if type(cache) is not AttentionCache:
+        return None
+    try:
+        window, comp = cache.window, cache.compressor
+        placed = getattr(window, "sharding", None)
+        key = (type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len, type(window),
+               window.shape, window.dtype, None if comp is None else comp.entries.shape, cache.indexer is None,
+               placed if isinstance(placed, jax.sharding.NamedSharding) else None)
+        hash(key)
+    except Exception:  # not arrays where the cache holds them: the checks word it
+        return None
+    return key
+
+
+class _CallMemo:
+    """A layer's memo of its eager calls: the layer state it holds for (`_layer_state`), the
+    (spec, step) of each input structure whose static checks passed, and the cache the last
+    call returned (weak reference, its structure key, its length mirror's values, the step's
+    device length), so that the next call on it skips reading the cache's structure again."""
+
+    __slots__ = ("entries", "last", "state")
+
+    def __init__(self, state):
+        self.state, self.entries, self.last = state, {}, None
 
 
 def _weights_of(module: nnx.Module, cls):
@@ -613,6 +711,8 @@ def _weights_of(module: nnx.Module, cls):
     """
     values = {}
     for field in dataclasses.fields(cls):
+        if field.name in DERIVED_WEIGHTS:
+            continue
         value = getattr(module, field.name)
         values[field.name] = (None if value is None else value.weights() if isinstance(value, nnx.Module)
                               else _array(value))
@@ -761,7 +861,7 @@ class DeepseekV4Attention(nnx.Module):
         check is a few identity comparisons rather than a walk of the modules."""
         hit = _WEIGHTS.get(self)
         if hit is not None and hit[0] is not None and _probe_holds(hit[0]):
-            return hit[2]  # the same parameters still hold the same arrays (the probe's identities)
+            return hit[2]  # the same parameters still hold the same arrays
         arrays = _parameter_arrays(self)
         key = tuple(map(id, arrays))
         if hit is not None and hit[1] == key:  # the cached pytree holds these very arrays
@@ -770,6 +870,23 @@ class DeepseekV4Attention(nnx.Module):
             weights = _weights_of(self, AttentionWeights)
         _WEIGHTS[self] = (_parameter_probe(self), key, weights)
         return weights
+
+    def step_weights(self) -> AttentionWeights:
+        """What the layer's call hands its compiled step: `weights()`, for a CSA layer with the
+        input projections' weights side by side (`fuse_input_projections`), made once per
+        `weights()` pytree.
+
+        Use it to drive `attention_step` yourself at the layer's speed; differentiate through
+        `weights()` (its leaves are the parameters; `input_proj` would be a leaf of its own)."""
+        weights = self.weights()
+        if weights.indexer is None:
+            # Only CSA layers: their 7 input GEMMs are what XLA merged (with the copy); an HCA
+            # layer's 4 ran slower as one on the H200 (B = 1: 0.17 against 0.12 ms a layer).
+            return weights
+        hit = _STEP_WEIGHTS.get(self)
+        if hit is None or hit[0] is not weights:
+            hit = _STEP_WEIGHTS[self] = (weights, fuse_input_projections(weights))
+        return hit[1]
 
     @property
     def compute_dtype(self):
@@ -819,17 +936,27 @@ class DeepseekV4Attention(nnx.Module):
         ``checkify=True``, become `checkify` checks), and a call past `max_seq_len` leaves the
         cache unchanged and returns NaN (see `attention_step`).
         """
-        key = _call_key(hidden_states, positions, cache, return_intermediates)
-        memo = _CALLS.get(self) if key is not None else None
-        if memo is not None and memo[0] == _layer_state(self):
-            hit = memo[1].get(key)
-            if hit is not None:  # the static checks passed for this structure: the value checks only
-                before, after = validation.check_values(
-                    hidden_states, positions, cache.length, cache.max_seq_len,
-                    validation.CHECK_FINITE if self.check_finite is None else self.check_finite)
-                return self._run(hit[0], hit[1], hidden_states, positions, cache, return_intermediates,
-                                 before, after)
-        state = None if key is None else _layer_state(self)
+        memo = _CALLS.get(self)
+        if memo is not None:
+            last = memo.last
+            last = last if last is not None and last[0]() is cache else None  # the cache it returned
+            inputs = _inputs_key(hidden_states, positions, return_intermediates)
+            structure = last[1] if last is not None else _cache_key(cache)
+            if inputs is not None and structure is not None and memo.state == _layer_state(self):
+                hit = memo.entries.get((inputs, structure))
+                if hit is not None:  # the static checks passed for this structure: the value checks only
+                    before, after = validation.check_values(
+                        hidden_states, positions, cache.length, cache.max_seq_len,
+                        validation.CHECK_FINITE if self.check_finite is None else self.check_finite)
+                    if last is not None and last[2] == before and not getattr(last[3], "is_deleted", _not_deleted)():
+                        device_length = last[3]  # the mirror still holds what the step returned
+                    else:
+                        device_length = _device_length(cache.length, before)
+                    return self._run(memo, hit, hidden_states, positions, cache, return_intermediates,
+                                     before, after, device_length)
+        structure = _cache_key(cache)
+        inputs = None if structure is None else _inputs_key(hidden_states, positions, return_intermediates)
+        state = None if inputs is None else _layer_state(self)
         spec, host_length, new_tokens = validation.check_call(self, hidden_states, positions, cache,
                                                               return_intermediates)
         if host_length is None and self.checkify:  # traced: the value checks go into the step
@@ -848,44 +975,54 @@ class DeepseekV4Attention(nnx.Module):
             # Traced: the layer index is checked above and is no part of the computation.
             with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
                 anonymous = cache.replace(layer_idx=-1, length=_device_length(cache.length))
-                out, new_cache, intermediates = step(self.weights(), anonymous, hidden_states, positions, spec=spec)
+                out, new_cache, intermediates = step(self.step_weights(), anonymous, hidden_states, positions,
+                                                     spec=spec)
             new_cache = new_cache.replace(layer_idx=cache.layer_idx)
             return (out, new_cache, intermediates) if return_intermediates else (out, new_cache)
         if state is not None:  # remember what passed: the next call of this structure checks values only
-            if memo is None or memo[0] != state or len(memo[1]) >= _MAX_CALL_KEYS:
-                memo = _CALLS[self] = (state, {})
-            memo[1][key] = (spec, step)
+            if memo is None or memo.state != state or len(memo.entries) >= _MAX_CALL_KEYS:
+                memo = _CALLS[self] = _CallMemo(state)
+            memo.entries[(inputs, structure)] = (spec, step)
         before = host_length.tolist()
         after = advance_length(host_length, new_tokens).tolist()
-        return self._run(spec, step, hidden_states, positions, cache, return_intermediates, before, after)
+        return self._run(memo, (spec, step), hidden_states, positions, cache, return_intermediates, before, after,
+                         _device_length(cache.length, before))
 
-    def _run(self, spec: StepSpec, step, hidden_states, positions, cache: AttentionCache, return_intermediates,
-             before: list, after: list):
+    def _run(self, memo, run, hidden_states, positions, cache: AttentionCache, return_intermediates,
+             before: list, after: list, device_length):
         """Run the checked eager call: the compiled step, then the host length mirror.
 
-        `before`/`after`: the lengths the checks read and the lengths after the call (lists)."""
+        `run`: (spec, step); `before`/`after`: the lengths the checks read and the lengths after
+        the call (lists); `device_length`: what the step gets for the length (the device twin of
+        the mirror where there is one, else the mirror)."""
+        spec, step = run
         # The layer index is checked and is no part of the computation: leave it out of the
         # compiled step's identity, so that layers of one type share one program.
         # The step gets the device copy of the host length mirror where this layer made one
         # (uploading the NumPy mirror would cost more dispatch time than the checks save).
-        anonymous = _with(cache, -1, _device_length(cache.length, before))
+        anonymous = _with(cache, -1, device_length)
         try:
-            out, new_cache, intermediates = step(self.weights(), anonymous, hidden_states, positions, spec=spec)
+            out, new_cache, intermediates = step(self.step_weights(), anonymous, hidden_states, positions, spec=spec)
         except Exception:
             with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
                 raise
         # The host mirror of the step's new length (see `dsv4_jax.cache`): the next call's
         # checks need no device round trip; the step's own length is kept beside it.
+        # (This runs while the device computes.)
         mirror = np.array(after, np.int32)
-        _remember_device_length(mirror, new_cache.length, after)
+        device_length = new_cache.length
+        _remember_device_length(mirror, device_length, after)
         new_cache = _with(new_cache, cache.layer_idx, mirror)
+        if memo is not None:
+            structure = _cache_key(new_cache)
+            memo.last = None if structure is None else (weakref.ref(new_cache), structure, after, device_length)
         if return_intermediates:
             return out, new_cache, intermediates
         return out, new_cache
 
 
 _FIELD_NAMES.update({
-    DeepseekV4Attention: tuple(f.name for f in dataclasses.fields(AttentionWeights)),
+    DeepseekV4Attention: tuple(f.name for f in dataclasses.fields(AttentionWeights) if f.name not in DERIVED_WEIGHTS),
     Compressor: tuple(f.name for f in dataclasses.fields(CompressorWeights)),
     Indexer: tuple(f.name for f in dataclasses.fields(IndexerWeights)),
 })

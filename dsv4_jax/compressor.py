@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from flax import struct
 
-from .backend import Array, einsum, namespace, scatter_rows
+from .backend import Array, namespace, scatter_rows
 from .cache import CompressorCache
 from .norms import rms_norm
 from .rope import apply_rope
@@ -40,13 +40,6 @@ class CompressorWeights:
     gate_proj: Array
     position_bias: Array
     kv_norm: Array
-
-
-def project(x: Array, w: CompressorWeights, dtype, precision=None) -> tuple[Array, Array]:
-    """The compressor's input GEMMs: x [B, S, hidden] -> (kv, gate), each [B, S, n*Dc]."""
-    kv = einsum("bsh,hc->bsc", x, w.kv_proj, out_dtype=dtype, precision=precision)
-    gate = einsum("bsh,hc->bsc", x, w.gate_proj, out_dtype=dtype, precision=precision)
-    return kv, gate
 
 
 def compress(

@@ -56,11 +56,10 @@ class IndexerWeights:
     compressor: CompressorWeights
 
 
-def head_weights(x: Array, weights_proj: Array, n_heads: int, dtype, precision=None) -> Array:
-    """Per-query head weights ``(x Wproj) * nI^-1/2``: x [B, S, hidden] -> float32 [B, S, nI]."""
-    return einsum("bsh,hn->bsn", x, weights_proj, out_dtype=dtype, precision=precision).astype(np.float32) * (
-        n_heads**-0.5
-    )
+def head_weights(projected: Array, n_heads: int) -> Array:
+    """Per-query head weights ``(x Wproj) * nI^-1/2`` from the projection ``x Wproj``
+    [B, S, nI] (one of the layer's input GEMMs, `attention.input_projections`) -> float32."""
+    return projected.astype(np.float32) * (n_heads**-0.5)
 
 
 def index_queries(q_residual: Array, q_b_proj: Array, positions: Array, freqs: Array, *, n_heads: int,

@@ -9,6 +9,11 @@ after a row's real tokens, room is left, hidden_states are finite) run when the 
 concrete; under a user's `jax.jit` they are tracers and only
 shapes and dtypes are checked.
 
+A layer runs these checks in full for the first call of each input structure (the classes,
+shapes and dtypes of the arrays, the cache's static fields and array shapes, the layer's
+options); it remembers the structures that passed, and a later call of the same structure
+runs only the value checks (`check_values`), with the same rules, errors and order.
+
 Non-finite hidden_states (NaN, +-inf) are rejected before dispatch: let through, they would
 be written into the window and compressor caches and poison every later call. The check is
 a host scan for NumPy inputs (about 2 us for a decode token of 4096 values) and one jitted
@@ -25,6 +30,7 @@ set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -32,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .backend import is_tracer
-from .cache import AttentionCache
+from .cache import AttentionCache, advance_length
 from .config import CSA, HCA
 
 CHECK_FINITE_MODES = (True, "host", False)
@@ -129,11 +135,91 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
 
     if is_tracer(positions) or is_tracer(cache.length):
         return spec, None, None  # values unknown while tracing: shapes and dtypes were checked
-    length = np.asarray(cache.length).astype(np.int64)
-    pos = np.asarray(positions).astype(np.int64)
-    new_tokens = check_positions(pos, length, cache.max_seq_len)
-    check_finite("hidden_states", hidden_states, CHECK_FINITE if attn.check_finite is None else attn.check_finite)
-    return spec, length.astype(np.int32), new_tokens.astype(np.int32)
+    before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len,
+                                 CHECK_FINITE if attn.check_finite is None else attn.check_finite)
+    length = np.array(before, np.int32)
+    return spec, length, np.array(after, np.int32) - length
+
+
+def check_values(hidden_states: Any, positions: Any, length: Any, max_seq_len: int,
+                 finite: bool | str) -> tuple[list, list]:
+    """The value checks of `check_call` alone, for a call whose shapes, dtypes and cache
+    `check_call` accepted before (the layer's memo of them; concrete inputs): positions by
+    `check_positions`'s rules, then `check_finite` with mode `finite`. Same errors, same order.
+
+    Returns (the lengths the checks read, the lengths after the call), lists of B ints: the
+    values of `check_call`'s checked length and of ``advance_length`` of it by the real tokens.
+
+    A call whose rows each continue their length (dense, or ragged for small calls) with room
+    left is accepted on Python lists (B x S <= `_SMALL`) or with two NumPy operations (a dense
+    call); anything else (a rejection included) goes through `check_positions`, which words it.
+    """
+    pos = positions if type(positions) is np.ndarray else np.asarray(positions)
+    host = length if type(length) is np.ndarray else np.asarray(length)
+    before = after = None
+    if (host.dtype == _INT32 and host.ndim == 1 and pos.ndim == 2 and host.shape[0] == pos.shape[0]
+            and pos.shape[1] > 0):
+        batch, seq = pos.shape
+        before = host.tolist()
+        if batch * seq <= _SMALL:
+            after = _continue_rows(pos.tolist(), before, seq, max_seq_len)
+        else:
+            after = _continue_dense(pos, host, before, seq, max_seq_len)
+    if after is None:
+        checked = host.astype(np.int64)
+        new_tokens = check_positions(pos.astype(np.int64), checked, max_seq_len)
+        checked = checked.astype(np.int32)
+        before, after = checked.tolist(), advance_length(checked, new_tokens.astype(np.int32)).tolist()
+    check_finite("hidden_states", hidden_states, finite)
+    return before, after
+
+
+_INT32 = np.dtype(np.int32)
+_SMALL = 64  # calls of at most this many positions are checked on Python lists (no NumPy calls)
+_ARANGE: dict[int, np.ndarray] = {}
+
+
+def _continue_rows(rows: list, starts: list, seq: int, max_seq_len: int) -> list | None:
+    """The lengths after the call if `check_positions` accepts it, else None (then it decides).
+
+    Row b accepted: its first n values are ``starts[b], starts[b] + 1, ...``, the rest -1,
+    ``starts[b] >= 0`` and ``starts[b] + n <= max_seq_len``; and some row has n > 0."""
+    after = []
+    real = False
+    for row, start in zip(rows, starts):
+        if start < 0:
+            return None
+        if row[0] == start and row[-1] == start + seq - 1 and (seq <= 2 or row == list(range(start, start + seq))):
+            n = seq
+        else:
+            n = 0
+            for value in row:
+                if value != start + n:
+                    break
+                n += 1
+            if row.count(-1) != seq - n:  # the first n are >= 0: the rest must all be padding
+                return None
+        if start + n > max_seq_len:
+            return None
+        real = real or n > 0
+        after.append(start + n)
+    return after if real else None
+
+
+def _continue_dense(pos: np.ndarray, length: np.ndarray, starts: list, seq: int, max_seq_len: int) -> list | None:
+    """As `_continue_rows`, for a dense call (every slot real) of any size; None otherwise."""
+    if min(starts) < 0 or max(starts) + seq > max_seq_len:
+        return None
+    steps = _ARANGE.get(seq)
+    if steps is None:
+        steps = _ARANGE[seq] = np.arange(seq, dtype=np.int64)[None, :]
+        steps.flags.writeable = False
+        if len(_ARANGE) > 64:
+            _ARANGE.clear()
+            _ARANGE[seq] = steps
+    if not (pos == length[:, None] + steps).all():
+        return None
+    return [start + seq for start in starts]
 
 
 def check_positions(pos: np.ndarray, length: np.ndarray, max_seq_len: int) -> np.ndarray:
@@ -193,27 +279,98 @@ def _on_cpu(value: jax.Array) -> bool:
         return False
 
 
+# sharding -> whether its devices are all CPUs (`_on_cpu`), so that a call asks once per sharding;
+# and the last sharding asked about with its answer (consecutive calls often share the object).
+_CPU_SHARDINGS: dict = {}
+_LAST_SHARDING: tuple = (None, False)
+
+
+def _host_resident(value: jax.Array) -> bool:
+    """`_on_cpu(value)`, remembered per sharding (equal shardings have the same devices)."""
+    global _LAST_SHARDING
+    try:
+        if value.is_deleted():
+            return False
+        sharding = value.sharding
+        last = _LAST_SHARDING
+        if sharding is last[0]:
+            return last[1]
+        cpu = _CPU_SHARDINGS.get(sharding)
+    except Exception:  # an array without these, or an unhashable sharding: ask the array
+        return _on_cpu(value)
+    if cpu is None:
+        if len(_CPU_SHARDINGS) > 64:
+            _CPU_SHARDINGS.clear()
+        cpu = _CPU_SHARDINGS[sharding] = _on_cpu(value)
+    _LAST_SHARDING = (sharding, cpu)
+    return cpu
+
+
+_LIST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # whose .tolist() gives Python floats
+_LIST_MAX = 128  # arrays of at most this many values are summed as Python floats
+
+
+def _finite_on_host(host: np.ndarray) -> bool:
+    """Whether every value of `host` is finite. A small float32/float64 array is summed as Python
+    floats (double precision: NaN and inf propagate, finite float32 values cannot overflow, no
+    NumPy call); only where the sum is not finite are the values scanned one by one."""
+    if host.size <= _LIST_MAX and host.dtype in _LIST_DTYPES and math.isfinite(sum(host.ravel().tolist())):
+        return True
+    return bool(np.isfinite(host).all())
+
+
+# The array classes whose instances are concrete (never tracers): NumPy's and the jax.Array
+# implementations met so far (learned; whether an object is a tracer is a matter of its class).
+_CONCRETE_TYPES: set = {np.ndarray}
+_JAX_TYPES: set = set()  # the concrete jax.Array classes among them
+
+
+def is_concrete_array(value: Any) -> bool:
+    """Whether `value` is a NumPy array or a concrete `jax.Array` (not a tracer), by its class."""
+    kind = type(value)
+    if kind in _CONCRETE_TYPES:
+        return True
+    if isinstance(value, (np.ndarray, jax.Array)) and not is_tracer(value):
+        _CONCRETE_TYPES.add(kind)
+        return True
+    return False
+
+
 def check_finite_mode(mode: Any) -> None:
     if not (mode is None or mode is True or mode is False or (isinstance(mode, str) and mode == "host")):
         raise ValueError(f"check_finite: expected one of {(None, *CHECK_FINITE_MODES)}, got {mode!r}")
 
 
+def _learn_jax_type(kind: type) -> bool:
+    _JAX_TYPES.add(kind)
+    return True
+
+
 def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
     """Reject NaN/inf in a concrete array (see the module docstring for `mode` and the cost)."""
-    check_finite_mode(mode)
-    if mode is False or is_tracer(value):
-        return
-    if isinstance(value, jax.Array):
+    if mode is not True:
+        check_finite_mode(mode)
+        if mode is False:
+            return
+    kind = type(value)  # the common inputs first, by class: a NumPy array, a jax.Array
+    if kind is np.ndarray:
+        host = value
+    elif kind in _JAX_TYPES or (not is_tracer(value) and isinstance(value, jax.Array) and _learn_jax_type(kind)):
         if mode == "host":
             return
         # A host-resident array is read in place (no dispatch of a reduction, no transfer);
         # a device array is reduced on its device and only the verdict comes back.
-        if _on_cpu(value):
-            if np.isfinite(np.asarray(value)).all():
+        if not _host_resident(value):
+            if bool(_all_finite(value)):
                 return
-        elif bool(_all_finite(value)):
-            return
-    elif np.isfinite(np.asarray(value)).all():
+            host = None
+        else:
+            host = np.asarray(value)
+    elif is_tracer(value):
+        return
+    else:
+        host = np.asarray(value)
+    if host is not None and _finite_on_host(host):
         return
     host = np.asarray(value)
     bad = ~np.isfinite(host)

@@ -295,3 +295,38 @@ def test_query_blocks_do_not_change_the_result(long_input, runs):
         assert rel_err(out, ref) < 1e-6
         if layer == 1:
             np.testing.assert_array_equal(np.asarray(extras[0][0].topk), np.asarray(ref_inters[0].topk))
+
+
+@pytest.mark.parametrize("layer_type", [dsv4_jax.SLIDING, dsv4_jax.CSA, dsv4_jax.HCA])
+def test_fused_input_projections_equal_the_separate_ones(layer_type):
+    """`step_weights()` (what the call runs) carries a CSA layer's input projections' weights side
+    by side (`input_proj`, made once: one GEMM per step without XLA concatenating them every step);
+    the step gives the same values with it as with one GEMM per projection, prefill and
+    decode. `weights()` stays the parameters alone (what gradients are taken over)."""
+    from dsv4_jax import attention
+
+    cfg = dsv4_jax.DeepseekV4Config.tiny()
+    attn = random_layer(cfg, cfg.layer_types.index(layer_type), break_mode="none")
+    separate = attn.weights()
+    assert separate.input_proj is None
+    if layer_type == dsv4_jax.CSA:  # the call fuses a CSA layer's (see `step_weights`)
+        fused = attn.step_weights()
+        assert attn.step_weights() is fused  # made once while the parameters stay the same arrays
+    else:
+        assert attn.step_weights() is separate
+        fused = attention.fuse_input_projections(separate)
+    parts = attention.input_projection_weights(fused)
+    assert fused.input_proj.shape == (cfg.hidden_size, sum(p.shape[1] for p in parts))
+    assert attention.stage_weights(fused).input_proj is None  # the wide break does not copy it
+    rng = np.random.default_rng(3)
+    cache = attn.init_cache(2, 32).replace(layer_idx=-1)
+    cache = cache.replace(length=jnp.asarray(cache.length))
+    for n in (12, 1):
+        x = jnp.asarray(rng.standard_normal((2, n, cfg.hidden_size)), jnp.float32)
+        pos = jnp.asarray(np.broadcast_to(np.arange(n) + int(cache.length[0]), (2, n)), jnp.int32)
+        out_f, cache_f, _ = attention.attention_step(fused, cache, x, pos, attn.step_spec())
+        out_s, cache_s, _ = attention.attention_step(separate, cache, x, pos, attn.step_spec())
+        np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_s), rtol=1e-6, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(cache_f), jax.tree.leaves(cache_s)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        cache = cache_f
