@@ -6,7 +6,7 @@
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 source "$(dirname "$0")/gpu_build.sh"
-timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_attention.py \
+timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_attention.py \
   tests/test_backend.py -k "native or device or agree_on_csa or fused or single_token" >"$OUT/gpu_tests.log" 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -8
 timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py --size flash --scenarios stack_decode --stacks mixed,csa,hca \

@@ -694,12 +694,14 @@ class _CallMemo:
     """A layer's memo of its eager calls: the layer state it holds for (`_layer_state`), the
     (spec, step) of each input structure whose static checks passed, and the cache the last
     call returned (weak reference, its structure key, its length mirror's values, the step's
-    device length), so that the next call on it skips reading the cache's structure again."""
+    device length), so that the next call on it skips reading the cache's structure again; and
+    the `step_weights()` with the probe of the parameters it was made from."""
 
-    __slots__ = ("entries", "last", "state")
+    __slots__ = ("entries", "last", "state", "weights")
 
     def __init__(self, state):
         self.state, self.entries, self.last = state, {}, None
+        self.weights = None  # (the `weights()` probe, the `step_weights()` of that pytree)
 
 
 def _weights_of(module: nnx.Module, cls):
@@ -1001,8 +1003,16 @@ class DeepseekV4Attention(nnx.Module):
         # The step gets the device copy of the host length mirror where this layer made one
         # (uploading the NumPy mirror would cost more dispatch time than the checks save).
         anonymous = _with(cache, -1, device_length)
+        held = None if memo is None else memo.weights
+        if held is not None and _probe_holds(held[0]):
+            weights = held[1]  # what `step_weights()` returns while the probe holds, without its lookups
+        else:
+            weights = self.step_weights()
+            if memo is not None:
+                probe = _WEIGHTS[self][0]  # the probe of the pytree `step_weights()` was made from
+                memo.weights = None if probe is None else (probe, weights)
         try:
-            out, new_cache, intermediates = step(self.step_weights(), anonymous, hidden_states, positions, spec=spec)
+            out, new_cache, intermediates = step(weights, anonymous, hidden_states, positions, spec=spec)
         except Exception:
             with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
                 raise
