@@ -95,6 +95,10 @@ def time_variants(case: str, variants: dict, args: tuple, unroll: int, repeats: 
                     "us_per_op_median": 1e6 * statistics.median(times) / unroll,
                     "us_per_op_min": 1e6 * min(times) / unroll, "repeats": repeats,
                     "picks_equal": bool(np.array_equal(picks, ref)),
+                    # bf16 scores of two implementations round differently: where picks differ,
+                    # say how many places, and whether the rows still pick the same sets.
+                    "picks_differing": int(np.sum(picks != ref)),
+                    "picks_same_sets": bool(np.array_equal(np.sort(picks, axis=-1), np.sort(ref, axis=-1))),
                     **(device_time(fn, args, unroll) if DEVICE_TIME else {})})
     return out
 

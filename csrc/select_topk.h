@@ -21,11 +21,13 @@
 
 namespace dsv4 {
 
-// Order-preserving map of a float to uint32: a > b (as floats, -0.0 < +0.0) iff key(a) > key(b).
+// Order-preserving map of a float to uint32: a > b (as floats) iff key(a) > key(b), and -0.0
+// has the key of +0.0 (they compare equal, so the lower index must win between them too).
 // -inf maps to 0x007FFFFF, below every finite value; NaN with the sign bit set maps lower still.
 inline uint32_t OrderedKeyHost(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
+  if (bits == 0x80000000u) bits = 0u;  // -0.0 -> +0.0
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

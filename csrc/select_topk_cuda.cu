@@ -2,23 +2,24 @@
 // `dsv4_jax._native_cuda` that hands their XLA FFI capsules to dsv4_jax/native.py.
 //
 // Two kernels per call, on the stream XLA gives the handler:
-//   ScoreKernel  one block per (query row, tile of 64 entries); the row's queries live in
-//                shared memory as float32, each thread scores one entry: 64 head dots over c
-//                channels, relu, scale, head weight, sum (the reference's order per head).
-//   ScoreKernelTc  the same scores for bfloat16 inputs with heads and dim multiples of 16, on the
-//                tensor cores (wmma m16n16k16, float32 accumulation): see the kernel.
-//   TopkKernel   one block per query row (its keys staged in shared memory up to 32k slots):
-//                a 4-pass radix select (8 bits a pass) finds the
-//                K-th largest score key; the entries above it, and the lowest-index entries
-//                equal to it (a block prefix scan in index order), are the picks; a bitonic
-//                sort of (score key, complemented index) orders them. Every candidate's sort
-//                key is distinct, so the result is deterministic, never a full sort of the row.
+//   ScoreKernel     one block per (query row, tile of 64 entries); the row's queries live in
+//                   shared memory as float32, each thread scores one entry: head dots over c
+//                   channels, relu, scale, head weight, sum (the reference's order per head).
+//   ScoreKernelMma  the same scores for bfloat16 inputs with 16, 32 or 64 heads and dim a
+//                   multiple of 16: a tensor-core GEMM (mma.sync) over cp.async-pipelined key
+//                   tiles, the relu / weight / head sum in the epilogue (see the kernel).
+//   TopkKernel      one block per query row (its keys staged in shared memory up to 32k slots):
+//                   a linear histogram over the row's score range finds the bin of the K-th
+//                   largest entry; that bin and everything above it are sorted as (score key,
+//                   complemented index) composites (a register bitonic sort), so equal scores
+//                   go to the lower entry index. Rows whose threshold bin is too full (masses
+//                   of ties) take a 4-pass radix select with an index-ordered tie gather.
+//                   Every composite is distinct: deterministic, never a full sort of the row.
 // No allocation, no host sync: the same code is registered twice, as an eager break (no
 // traits: XLA closes its CUDA graph around it) and as a command-buffer-compatible target.
 #include <Python.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,12 +38,13 @@ namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kScoreThreads = 64;       // entries scored per block (small: many blocks for short rows)
-constexpr int kTopkThreads = 512;       // threads per query row in the selection
 constexpr int kFastHeads = 64;          // nI of V4-Flash / V4-Pro: the register-tiled path
 constexpr int kMaxSortSize = 4096;      // largest power of two the sort holds (index_topk <= 4096)
 
+// OrderedKeyHost's map (select_topk.h) on the device: -0.0 gets the key of +0.0.
 __device__ __forceinline__ uint32_t OrderedKey(float value) {
-  const uint32_t bits = __float_as_uint(value);
+  uint32_t bits = __float_as_uint(value);
+  if (bits == 0x80000000u) bits = 0u;
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
@@ -136,89 +138,193 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
   out[t] = total == 0.0f ? 0.0f : total;  // fold -0.0 into +0.0: ties must compare equal
 }
 
-// Tensor-core scoring (bfloat16 queries and keys, heads and dim multiples of 16): each warp
-// scores 16 entries against every head with m16n16k16 bf16 MMAs accumulating in float32 (the
-// products of bf16 values are exact in float32; only the summation order differs from the FMA
-// kernel, ~1e-7 relative), then folds relu, scale and the head weights per entry in head order.
-// A block stages the row's queries once and scores `tiles` consecutive tiles of kTcEntries
-// entries (more tiles per block when there are many rows: fewer reloads of the queries).
-// grid (rows * seq, ceil(slots / (kTcEntries * tiles))), block kTcWarps * 32.
-constexpr int kTcWarps = 4;
-constexpr int kTcEntries = 16 * kTcWarps;
-constexpr int kTcPad = 4;  // acc row stride heads + 4 floats: the per-entry head sums avoid bank conflicts
+// Tensor-core scoring (bfloat16 queries and keys, kHeads in {16, 32, 64}, dim a multiple of
+// 16): a GEMM of the row's keys [T, c] against its queries [nI, c] on `mma.sync` m16n8k16
+// (bf16 products are exact in float32, float32 accumulation), with relu, scale, head weights
+// and the sum over heads folded into the epilogue in registers. Each warp scores 16 entries
+// against every head; the block's tile of kMmaEntries keys is copied with `cp.async` into
+// padded shared rows (conflict-free `ldmatrix`) while the previous tile is scored. Only the
+// summation order differs from the FMA kernel (heads are summed per lane, then across the
+// four lanes of a quad): ~1e-7 relative. Entries at t >= visible are never loaded.
+// grid (rows * seq, ceil(slots / (kMmaEntries * tiles))), block kMmaWarps * 32.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaEntries = 16 * kMmaWarps;  // entries per tile
+constexpr int kMmaPad = 8;                   // bf16 per shared row beyond dim: row stride = 4 banks mod 32
 
-size_t TcSharedBytes(int heads, int dim) {
-  // q [heads, dim] bf16 | k [kTcEntries, dim] bf16 | acc [kTcEntries, heads + pad] f32 | w [heads] f32
-  auto up = [](size_t n) { return (n + 127) / 128 * 128; };
-  return up(sizeof(__nv_bfloat16) * heads * dim) + up(sizeof(__nv_bfloat16) * kTcEntries * dim) +
-         up(sizeof(float) * kTcEntries * (heads + kTcPad)) + up(sizeof(float) * heads);
+size_t MmaSharedBytes(int heads, int dim) {
+  // q [heads, dim + pad] | keys [2 buffers][kMmaEntries, dim + pad], bfloat16
+  return sizeof(__nv_bfloat16) * static_cast<size_t>(heads + 2 * kMmaEntries) * (dim + kMmaPad);
 }
 
-__global__ void ScoreKernelTc(const __nv_bfloat16* __restrict__ queries, const float* __restrict__ weights,
-                              const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ visible,
-                              float* __restrict__ scores, int64_t seq, int heads, int dim, int64_t slots,
-                              float scale, int tiles) {
-  namespace wmma = nvcuda::wmma;
-  extern __shared__ __align__(128) unsigned char tc_smem[];
-  auto up = [](size_t n) { return (n + 127) / 128 * 128; };
-  __nv_bfloat16* q = reinterpret_cast<__nv_bfloat16*>(tc_smem);
-  __nv_bfloat16* k = reinterpret_cast<__nv_bfloat16*>(tc_smem + up(sizeof(__nv_bfloat16) * heads * dim));
-  float* acc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(k) + up(sizeof(__nv_bfloat16) * kTcEntries * dim));
-  float* w = acc + up(sizeof(float) * kTcEntries * (heads + kTcPad)) / sizeof(float);
-  const int ld_acc = heads + kTcPad;
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zeros when !valid (src is then not read).
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(p)));
+}
+
+// c[16 x 8] += a[16 x 16] . b[16 x 8], bf16 in, float32 accumulate.
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int kHeads>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    ScoreKernelMma(const __nv_bfloat16* __restrict__ queries, const float* __restrict__ weights,
+                   const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ visible,
+                   float* __restrict__ scores, int64_t seq, int dim, int64_t slots, float scale, int tiles) {
+  static_assert(kHeads % 16 == 0, "heads come in pairs of 8-wide MMA tiles");
+  constexpr int kHeadTiles = kHeads / 8;
+  extern __shared__ __align__(128) unsigned char mma_smem[];
+  const int ld = dim + kMmaPad;
+  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(mma_smem);  // [kHeads, ld]
+  __nv_bfloat16* k_s = q_s + kHeads * ld;                             // [2, kMmaEntries, ld]
   const int64_t row = blockIdx.x;  // b * seq + s
   const int64_t b = row / seq;
   const int64_t n_visible = VisibleCount(visible[row], slots);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int vec_per_entry = dim / 8;
+  const int chunks = dim / 8;  // 16-byte chunks per row
+  float* out = scores + row * slots;
 
-  // Stage the row's queries and head weights once (16-byte loads).
-  const uint4* q_src = reinterpret_cast<const uint4*>(queries + row * heads * dim);
-  for (int v = tid; v < heads * dim / 8; v += blockDim.x) reinterpret_cast<uint4*>(q)[v] = q_src[v];
-  for (int i = tid; i < heads; i += blockDim.x) w[i] = weights[row * heads + i];
+  // This block's entries [first, end); tiles wholly past the visible entries are not loaded.
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * tiles * kMmaEntries;
+  const int64_t end = min(first + static_cast<int64_t>(tiles) * kMmaEntries, slots);
+  const int64_t loaded_end = min(end, n_visible);
+  const int n_tiles = loaded_end > first ? static_cast<int>((loaded_end - first + kMmaEntries - 1) / kMmaEntries) : 0;
+  for (int64_t t = first + static_cast<int64_t>(n_tiles) * kMmaEntries + tid; t < end; t += blockDim.x) {
+    out[t] = -INFINITY;
+  }
+  if (n_tiles == 0) return;  // uniform across the block
 
-  for (int tile = 0; tile < tiles; ++tile) {
-    const int64_t t0 = (static_cast<int64_t>(blockIdx.y) * tiles + tile) * kTcEntries;
-    if (t0 >= slots) break;  // uniform across the block
-    __syncthreads();  // the previous tile's k and acc are consumed (and, first, q and w are staged)
-    for (int v = tid; v < kTcEntries * vec_per_entry; v += blockDim.x) {  // zeros past the row's slots
-      const int e = v / vec_per_entry, c = v % vec_per_entry;
-      const int64_t t = t0 + e;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (t < slots) val = reinterpret_cast<const uint4*>(keys + (b * slots + t) * dim)[c];
-      reinterpret_cast<uint4*>(k)[v] = val;
+  const __nv_bfloat16* q_row = queries + row * kHeads * dim;
+  for (int v = tid; v < kHeads * chunks; v += blockDim.x) {
+    const int h = v / chunks, c = v % chunks;
+    CpAsync16(q_s + h * ld + 8 * c, q_row + h * dim + 8 * c, true);
+  }
+  auto load_tile = [&](int i) {
+    const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
+    __nv_bfloat16* dst = k_s + (i & 1) * kMmaEntries * ld;
+    for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
+      const int e = v / chunks, c = v % chunks;
+      const bool valid = t0 + e < slots;
+      CpAsync16(dst + e * ld + 8 * c, keys + (b * slots + (valid ? t0 + e : 0)) * dim + 8 * c, valid);
+    }
+  };
+  load_tile(0);
+  CpAsyncCommit();  // group 0: the queries and the first tile
+
+  // This lane's accumulator columns are heads 8 n + 2 (lane % 4) + {0, 1}.
+  float w[kHeadTiles][2];
+#pragma unroll
+  for (int n = 0; n < kHeadTiles; ++n) {
+    w[n][0] = weights[row * kHeads + 8 * n + 2 * (lane & 3)];
+    w[n][1] = weights[row * kHeads + 8 * n + 2 * (lane & 3) + 1];
+  }
+
+  for (int i = 0; i < n_tiles; ++i) {
+    if (i + 1 < n_tiles) {
+      load_tile(i + 1);  // into the buffer tile i - 1 used: released by the barrier ending it
+      CpAsyncCommit();
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
     }
     __syncthreads();
 
-    // acc[e, h] = k[e] . q[h] for this warp's 16 entries, 16 heads at a time.
-    const __nv_bfloat16* k_warp = k + warp * 16 * dim;
-    for (int h0 = 0; h0 < heads; h0 += 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
-      wmma::fill_fragment(c, 0.0f);
-      for (int d0 = 0; d0 < dim; d0 += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> bq;
-        wmma::load_matrix_sync(a, k_warp + d0, dim);         // [16 entries, 16 dims]
-        wmma::load_matrix_sync(bq, q + h0 * dim + d0, dim);  // [16 dims, 16 heads], q row-major by head
-        wmma::mma_sync(c, a, bq, c);
-      }
-      wmma::store_matrix_sync(acc + warp * 16 * ld_acc + h0, c, ld_acc, wmma::mem_row_major);
-    }
-    __syncwarp();
-    if (lane < 16) {
-      const int64_t t = t0 + warp * 16 + lane;
-      if (t < slots) {
-        float total = -INFINITY;
-        if (t < n_visible) {
-          const float* a_row = acc + (warp * 16 + lane) * ld_acc;
-          total = 0.0f;
-          for (int h = 0; h < heads; ++h) total += __fmul_rn(__fmul_rn(fmaxf(a_row[h], 0.0f), scale), w[h]);
-          total = total == 0.0f ? 0.0f : total;  // fold -0.0 into +0.0: ties must compare equal
-        }
-        scores[row * slots + t] = total;
+    // acc[n] = keys[16 entries of this warp] . q[heads 8n .. 8n + 7]^T
+    const __nv_bfloat16* k_warp = k_s + (i & 1) * kMmaEntries * ld + warp * 16 * ld;
+    float acc[kHeadTiles][4];
+#pragma unroll
+    for (int n = 0; n < kHeadTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int d0 = 0; d0 < dim; d0 += 16) {
+      uint32_t a[4];
+      LdMatrixX4(a, k_warp + (lane & 15) * ld + d0 + (lane >> 4) * 8);
+#pragma unroll
+      for (int n2 = 0; n2 < kHeadTiles / 2; ++n2) {
+        uint32_t bq[4];  // b0, b1 of head tile 2 n2, then of 2 n2 + 1
+        LdMatrixX4(bq, q_s + (16 * n2 + (lane >> 4) * 8 + (lane & 7)) * ld + d0 + ((lane >> 3) & 1) * 8);
+        MmaBf16(acc[2 * n2], a, bq[0], bq[1]);
+        MmaBf16(acc[2 * n2 + 1], a, bq[2], bq[3]);
       }
     }
+    // Lane holds entries g = lane / 4 (acc[.][0..1]) and g + 8 (acc[.][2..3]).
+    float part_lo = 0.0f, part_hi = 0.0f;
+#pragma unroll
+    for (int n = 0; n < kHeadTiles; ++n) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        part_lo += __fmul_rn(__fmul_rn(fmaxf(acc[n][j], 0.0f), scale), w[n][j]);
+        part_hi += __fmul_rn(__fmul_rn(fmaxf(acc[n][2 + j], 0.0f), scale), w[n][j]);
+      }
+    }
+    part_lo += __shfl_xor_sync(kFullMask, part_lo, 1);
+    part_hi += __shfl_xor_sync(kFullMask, part_hi, 1);
+    part_lo += __shfl_xor_sync(kFullMask, part_lo, 2);
+    part_hi += __shfl_xor_sync(kFullMask, part_hi, 2);
+    if ((lane & 3) == 0) {
+      const int64_t t = first + static_cast<int64_t>(i) * kMmaEntries + warp * 16 + (lane >> 2);
+      if (t < slots) out[t] = t < n_visible ? (part_lo == 0.0f ? 0.0f : part_lo) : -INFINITY;  // fold -0.0
+      if (t + 8 < slots) out[t + 8] = t + 8 < n_visible ? (part_hi == 0.0f ? 0.0f : part_hi) : -INFINITY;
+    }
+    __syncthreads();  // this tile's buffer is reloaded by the next iteration's prefetch
   }
+}
+
+// ---------------------------------------------------------------------------- top-k
+// One block of kTopkThreads per query row. Rows up to kMaxStagedSlots entries are read from
+// global memory once, into shared memory; every later pass reads them there.
+//
+// Fast path (any row whose threshold neighbourhood is small, i.e. real scores):
+//   1. the row's finite minimum and maximum;
+//   2. a histogram of kBins linear bins over [min, max] (monotone in the score: a higher score
+//      never lands in a lower bin), and the bin holding the K-th largest entry;
+//   3. every entry in that bin or above (K plus the threshold bin's other entries) is gathered
+//      as (score key, complemented index) composites and sorted: the first K are the picks.
+//      Composites are distinct, so equal scores fall to the lower index exactly as in the
+//      reference, whatever the gather order.
+// Fallback (the threshold bin holds more than the candidate capacity: masses of exact ties, or
+// one outlier squeezing the row into a few bins): a 4-pass radix select (8 bits a pass) finds
+// the K-th largest score key; the entries above it, and the lowest-index entries equal to it
+// (a block prefix count in index order), are the picks, sorted the same way.
+// A row of at most `capacity` entries is gathered and sorted whole.
+constexpr int kTopkThreads = 512;   // threads per query row
+constexpr int kBins = 2048;         // linear bins of the fast path
+constexpr int kMinCapacity = 1024;  // candidates the fast path may sort (2x the sort size of K, <= kMaxSortSize)
+constexpr uint32_t kMinusInfKey = 0x007FFFFFu;  // OrderedKey(-inf): finite keys lie strictly between
+constexpr uint32_t kPlusInfKey = 0xFF800000u;   // OrderedKey(+inf)
+
+__device__ __forceinline__ float KeyToFloat(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// The linear bin of a score key; keys at or below the row's finite minimum go to bin 0, at or
+// above its maximum to the last bin (infinities and NaNs included), so the map is monotone in
+// the key order. inv == 0 (no spread) puts every key strictly inside into bin 0.
+__device__ __forceinline__ uint32_t LinearBin(uint32_t key, uint32_t key_min, uint32_t key_max, float lo, float inv) {
+  if (key <= key_min) return 0;
+  if (key >= key_max) return kBins - 1;
+  if (!(inv > 0.0f)) return 0;
+  const float v = __fmul_rn(__fsub_rn(KeyToFloat(key), lo), inv);  // >= 0: round-to-nearest is monotone
+  return min(__float2uint_rz(v), static_cast<uint32_t>(kBins - 1));
 }
 
 // Exclusive prefix count of `flag` over the block in thread order; `total` gets the block's sum.
@@ -239,10 +345,39 @@ __device__ __forceinline__ uint32_t BlockExclusiveCount(bool flag, uint32_t* war
   return before + __popc(ballot & ((1u << lane) - 1u));
 }
 
+// Inclusive prefix sum of `value` over the block in thread order (two barriers, all threads).
+__device__ __forceinline__ uint32_t BlockInclusiveSum(uint32_t value, uint32_t* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const uint32_t v = __shfl_up_sync(kFullMask, value, offset);
+    if (lane >= offset) value += v;
+  }
+  if (lane == 31) warp_sums[warp] = value;
+  __syncthreads();
+  for (int v = 0; v < warp; ++v) value += warp_sums[v];
+  (void)warps;
+  __syncthreads();
+  return value;
+}
+
+// Appends the composites of the lanes with `take` at cand[counter++] (one atomic per warp).
+// Every lane of the warp must call it.
+__device__ __forceinline__ void AppendCandidate(bool take, uint64_t composite, uint64_t* cand, uint32_t* counter) {
+  const uint32_t ballot = __ballot_sync(kFullMask, take);
+  if (ballot == 0) return;  // uniform across the warp
+  const int lane = threadIdx.x & 31, leader = __ffs(ballot) - 1;
+  uint32_t base = 0;
+  if (lane == leader) base = atomicAdd(counter, static_cast<uint32_t>(__popc(ballot)));
+  base = __shfl_sync(kFullMask, base, leader);
+  if (take) cand[base + __popc(ballot & ((1u << lane) - 1u))] = composite;
+}
+
 constexpr int kLoadBatch = 8;  // row elements each thread loads before using them (latency hiding)
 
 // This thread's elements base + j * stride + tid (j < kLoadBatch) of a row as ordered keys
-// (0 past the row's end): all loads are issued before any is used.
+// (0 past the row's end): all loads are issued before any is used. From global memory
+// (float scores) or from the keys staged in shared memory.
 __device__ __forceinline__ void LoadKeyBatch(const float* __restrict__ row, int64_t base, int64_t stride, int64_t n,
                                              uint32_t (&keys)[kLoadBatch]) {
 #pragma unroll
@@ -251,8 +386,6 @@ __device__ __forceinline__ void LoadKeyBatch(const float* __restrict__ row, int6
     keys[j] = i < n ? OrderedKey(row[i]) : 0u;
   }
 }
-
-// The same batch from the row's keys staged in shared memory.
 __device__ __forceinline__ void LoadKeyBatch(const uint32_t* staged, int64_t base, int64_t stride, int64_t n,
                                              uint32_t (&keys)[kLoadBatch]) {
 #pragma unroll
@@ -262,52 +395,196 @@ __device__ __forceinline__ void LoadKeyBatch(const uint32_t* staged, int64_t bas
   }
 }
 
-// Rows up to this many slots are read from global memory once, into shared memory, and the
-// five passes over the row (four radix passes and the gather) read them there.
 constexpr int64_t kMaxStagedSlots = 32768;
 
-// grid (rows * seq), block kTopkThreads, shared sort_size uint64 (+ slots uint32 when kStaged).
+// One bitonic stage whose partners are in the same thread: elements r and r ^ q (q = kQ, or the
+// next power of two up to kPer / 2), compile-time register indices (no local memory).
+template <int kPer, int kQ>
+__device__ __forceinline__ void CompareInThread(uint64_t (&v)[kPer], int q, int span, int tid, int threads) {
+  if constexpr (kQ < kPer) {
+    if (q == kQ) {
+#pragma unroll
+      for (int r = 0; r < kPer; ++r) {
+        if ((r & kQ) == 0) {
+          const bool descending = ((r * threads + tid) & span) == 0;
+          const uint64_t a = v[r], b = v[r | kQ];
+          if (descending ? a < b : a > b) {
+            v[r] = b;
+            v[r | kQ] = a;
+          }
+        }
+      }
+    } else {
+      CompareInThread<kPer, 2 * kQ>(v, q, span, tid, threads);
+    }
+  }
+}
+
+// Bitonic sort, descending, of cand[0, size) (size = kPer * blockDim, or at most blockDim with
+// kPer == 1): each thread keeps its kPer elements (tid + r * blockDim) in registers; strides
+// below 32 are exchanged by warp shuffles, strides of a whole block inside the thread, the rest
+// through shared memory. Every thread of the block must call it.
+template <int kPer>
+__device__ void SortDescending(uint64_t* cand, int size) {
+  const int tid = threadIdx.x, threads = blockDim.x;
+  uint64_t v[kPer];
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) v[r] = r * threads + tid < size ? cand[r * threads + tid] : 0;
+  for (int span = 2; span <= size; span <<= 1) {
+    for (int stride = span >> 1; stride > 0; stride >>= 1) {
+      if (stride >= threads) {  // partner in this thread: element r ^ (stride / threads)
+        CompareInThread<kPer, 1>(v, stride / threads, span, tid, threads);
+        continue;
+      }
+      uint64_t partner[kPer];
+      if (stride >= 32) {
+        __syncthreads();  // the previous exchange's reads are done
+#pragma unroll
+        for (int r = 0; r < kPer; ++r) cand[r * threads + tid] = v[r];
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < kPer; ++r) partner[r] = cand[(r * threads + tid) ^ stride];
+      } else {
+#pragma unroll
+        for (int r = 0; r < kPer; ++r) partner[r] = __shfl_xor_sync(kFullMask, v[r], stride);
+      }
+#pragma unroll
+      for (int r = 0; r < kPer; ++r) {
+        const int e = r * threads + tid;
+        const bool keep_max = ((e & stride) == 0) == ((e & span) == 0);
+        v[r] = keep_max ? max(v[r], partner[r]) : min(v[r], partner[r]);
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    if (r * threads + tid < size) cand[r * threads + tid] = v[r];
+  }
+  __syncthreads();
+}
+
+// grid (rows * seq), block kTopkThreads, shared: capacity uint64 (+ slots uint32 when kStaged).
 template <bool kStaged>
-__global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __restrict__ visible,
-                           int32_t* __restrict__ picks, int64_t slots, int top_k, int sort_size) {
+__global__ void __launch_bounds__(kTopkThreads, 1)
+    TopkKernel(const float* __restrict__ scores, const int32_t* __restrict__ visible, int32_t* __restrict__ picks,
+               int64_t slots, int top_k, int sort_size, int capacity) {
   extern __shared__ __align__(16) unsigned char topk_smem[];
-  uint64_t* cand = reinterpret_cast<uint64_t*>(topk_smem);  // [sort_size] composite keys of the candidates
-  uint32_t* staged = reinterpret_cast<uint32_t*>(cand + sort_size);  // kStaged: [n] ordered keys of the row
-  __shared__ uint32_t hist[256];
-  __shared__ uint32_t warp_counts[kTopkThreads / 32];
+  uint64_t* cand = reinterpret_cast<uint64_t*>(topk_smem);          // [capacity] candidate composites
+  uint32_t* staged = reinterpret_cast<uint32_t*>(cand + capacity);  // kStaged: [n] ordered keys of the row
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t warp_counts[kTopkThreads / 32], warp_min[kTopkThreads / 32], warp_max[kTopkThreads / 32];
   __shared__ uint32_t chosen_bin, above_bin, equal_count, slot_counter;
   const int64_t row = blockIdx.x;
   const float* s = scores + row * slots;
   const int64_t n = VisibleCount(visible[row], slots);
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t stride = blockDim.x, batch_span = stride * kLoadBatch;
-  int64_t n_cand;
+  auto load = [&](int64_t base, uint32_t(&keys)[kLoadBatch]) {
+    if constexpr (kStaged) LoadKeyBatch(staged, base, stride, n, keys); else LoadKeyBatch(s, base, stride, n, keys);
+  };
+  if (tid == 0) slot_counter = 0;
+  int n_cand = 0;
+  bool sorted_fast = false;
 
-  if (n <= top_k) {
+  if (n <= capacity) {  // the whole row is the candidate set
     for (int64_t i = tid; i < n; i += stride) cand[i] = Composite(OrderedKey(s[i]), i);
-    n_cand = n;
+    n_cand = static_cast<int>(n);
+    sorted_fast = true;
   } else {
-    // Radix select: after the four passes, `prefix` is the key of the K-th largest score and
-    // `need` the number of entries with exactly that key that belong to the top K.
-    uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(top_k);
-    if constexpr (kStaged) {
+    // 1. Stage the row; its finite minimum and maximum keys.
+    uint32_t key_min = 0xFFFFFFFFu, key_max = 0u;
+    for (int64_t base = 0; base < n; base += batch_span) {
+      uint32_t keys[kLoadBatch];
+      LoadKeyBatch(s, base, stride, n, keys);
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int64_t i = base + j * stride + tid;
+        if (i < n) {
+          if constexpr (kStaged) staged[i] = keys[j];
+          if (keys[j] > kMinusInfKey && keys[j] < kPlusInfKey) {
+            key_min = min(key_min, keys[j]);
+            key_max = max(key_max, keys[j]);
+          }
+        }
+      }
+    }
+    key_min = __reduce_min_sync(kFullMask, key_min);
+    key_max = __reduce_max_sync(kFullMask, key_max);
+    if (lane == 0) {
+      warp_min[warp] = key_min;
+      warp_max[warp] = key_max;
+    }
+    for (int i = tid; i < kBins; i += stride) hist[i] = 0;
+    __syncthreads();  // staged keys, warp extremes, cleared histogram
+    for (int v = 0; v < static_cast<int>(blockDim.x >> 5); ++v) {
+      key_min = min(key_min, warp_min[v]);
+      key_max = max(key_max, warp_max[v]);
+    }
+    const float lo = KeyToFloat(key_min), range = KeyToFloat(key_max) - lo;
+    float inv = key_min < key_max ? static_cast<float>(kBins) / range : 0.0f;
+    if (!(inv > 0.0f) || isinf(inv)) inv = 0.0f;  // no spread, an infinite range or a subnormal one
+
+    // 2. Histogram; the bin holding the K-th largest entry (thread t owns bins kBins-1-4t ...).
+    for (int64_t base = 0; base < n; base += batch_span) {
+      uint32_t keys[kLoadBatch];
+      load(base, keys);
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        if (base + j * stride + tid < n) atomicAdd(&hist[LinearBin(keys[j], key_min, key_max, lo, inv)], 1u);
+      }
+    }
+    __syncthreads();
+    constexpr int kBinsPerThread = kBins / kTopkThreads;
+    uint32_t local[kBinsPerThread], sum = 0;
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      local[j] = hist[kBins - 1 - kBinsPerThread * tid - j];
+      sum += local[j];
+    }
+    const uint32_t need = static_cast<uint32_t>(top_k);
+    uint32_t above = BlockInclusiveSum(sum, warp_counts) - sum;
+    if (above < need && need <= above + sum) {
+#pragma unroll
+      for (int j = 0; j < kBinsPerThread; ++j) {
+        if (above < need && need <= above + local[j]) {
+          chosen_bin = kBins - 1 - kBinsPerThread * tid - j;
+          above_bin = above;
+          equal_count = local[j];
+        }
+        above += local[j];
+      }
+    }
+    __syncthreads();
+
+    // 3. Gather the chosen bin and everything above it, when that fits.
+    if (above_bin + equal_count <= static_cast<uint32_t>(capacity)) {  // uniform across the block
+      const uint32_t threshold_bin = chosen_bin;
       for (int64_t base = 0; base < n; base += batch_span) {
         uint32_t keys[kLoadBatch];
-        LoadKeyBatch(s, base, stride, n, keys);
+        load(base, keys);
 #pragma unroll
         for (int j = 0; j < kLoadBatch; ++j) {
           const int64_t i = base + j * stride + tid;
-          if (i < n) staged[i] = keys[j];
+          const bool take = i < n && LinearBin(keys[j], key_min, key_max, lo, inv) >= threshold_bin;
+          AppendCandidate(take, Composite(keys[j], i), cand, &slot_counter);
         }
       }
-      __syncthreads();
+      n_cand = static_cast<int>(above_bin + equal_count);
+      sorted_fast = true;
     }
+  }
+
+  if (!sorted_fast) {
+    // Fallback: radix select. After the four passes, `prefix` is the key of the K-th largest
+    // score and `need` the number of entries with exactly that key that belong to the top K.
+    uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(top_k);
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += stride) hist[i] = 0;
       __syncthreads();
       for (int64_t base = 0; base < n; base += batch_span) {  // uniform trip count: all lanes vote
         uint32_t keys[kLoadBatch];
-        if constexpr (kStaged) LoadKeyBatch(staged, base, stride, n, keys); else LoadKeyBatch(s, base, stride, n, keys);
+        load(base, keys);
 #pragma unroll
         for (int j = 0; j < kLoadBatch; ++j) {
           const int64_t i = base + j * stride + tid;
@@ -352,20 +629,17 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
     // Entries equal to it: all of them when they are exactly `need`; otherwise the first `need`
     // in index order (the lower index wins the tie), found by block prefix counts.
     const bool all_equal_in = equal_count == need;
-    if (tid == 0) slot_counter = 0;
-    __syncthreads();
     const uint32_t n_above = static_cast<uint32_t>(top_k) - need;
     uint32_t eq_seen = 0;
     for (int64_t base = 0; base < n; base += batch_span) {
       uint32_t keys[kLoadBatch];
-      if constexpr (kStaged) LoadKeyBatch(staged, base, stride, n, keys); else LoadKeyBatch(s, base, stride, n, keys);
+      load(base, keys);
 #pragma unroll
       for (int j = 0; j < kLoadBatch; ++j) {
         const int64_t i = base + j * stride + tid;
         const bool valid = i < n;
-        if (valid && (keys[j] > prefix || (all_equal_in && keys[j] == prefix))) {
-          cand[atomicAdd(&slot_counter, 1u)] = Composite(keys[j], i);
-        }
+        AppendCandidate(valid && (keys[j] > prefix || (all_equal_in && keys[j] == prefix)), Composite(keys[j], i),
+                        cand, &slot_counter);
         if (!all_equal_in) {  // uniform across the block
           uint32_t eq_total;
           const uint32_t rank = BlockExclusiveCount(valid && keys[j] == prefix, warp_counts, &eq_total);
@@ -376,25 +650,18 @@ __global__ void TopkKernel(const float* __restrict__ scores, const int32_t* __re
     }
     n_cand = top_k;
   }
-  for (int64_t i = n_cand + tid; i < sort_size; i += blockDim.x) cand[i] = 0;  // sorts last
-  __syncthreads();
 
-  // Bitonic sort, descending, of the sort_size composites.
-  for (int size = 2; size <= sort_size; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = tid; i < sort_size; i += blockDim.x) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const uint64_t a = cand[i], b = cand[j];
-          const bool descending = (i & size) == 0;
-          if (descending ? a < b : a > b) {
-            cand[i] = b;
-            cand[j] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
+  // Sort the n_cand candidates (zeros after them sort last) and write the first K.
+  int size = sort_size;
+  while (size < n_cand) size <<= 1;
+  __syncthreads();
+  for (int i = n_cand + tid; i < size; i += blockDim.x) cand[i] = 0;
+  __syncthreads();
+  switch (size <= kTopkThreads ? 1 : size / kTopkThreads) {
+    case 1: SortDescending<1>(cand, size); break;
+    case 2: SortDescending<2>(cand, size); break;
+    case 4: SortDescending<4>(cand, size); break;
+    default: SortDescending<8>(cand, size); break;
   }
   int32_t* out = picks + row * top_k;
   for (int i = tid; i < top_k; i += blockDim.x) {
@@ -408,28 +675,30 @@ int SortSize(int64_t top_k) {
   return size;
 }
 
+// Candidates the fast path may sort: twice the sort size of K, at least kMinCapacity, at most
+// kMaxSortSize (the register sort holds 8 per thread).
+int Capacity(int sort_size) { return std::min(kMaxSortSize, std::max(kMinCapacity, 2 * sort_size)); }
+
 ffi::Error LaunchTopk(cudaStream_t stream, const float* scores, const int32_t* visible, int32_t* picks,
                       const SelectDims& d) {
   if (d.top_k > kMaxSortSize) {
     return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_topk " + std::to_string(d.top_k) +
                                        " is above the kernel's limit of " + std::to_string(kMaxSortSize));
   }
-  const int sort_size = SortSize(d.top_k);
+  const int sort_size = SortSize(d.top_k), capacity = Capacity(sort_size);
   const unsigned blocks = static_cast<unsigned>(d.rows * d.seq);
-  const size_t cand_bytes = sort_size * sizeof(uint64_t);
-  if (d.slots <= kMaxStagedSlots) {
-    const size_t shared = cand_bytes + d.slots * sizeof(uint32_t);
-    if (shared > 48 * 1024 && cudaFuncSetAttribute(TopkKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(shared)) != cudaSuccess) {
-      return ffi::Error::Internal("dsv4 select_topk (CUDA): cannot reserve shared memory for the staged top-k");
+  const size_t cand_bytes = capacity * sizeof(uint64_t);
+  auto launch = [&](auto kernel, size_t shared) -> ffi::Error {
+    if (shared > 48 * 1024 &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)) != cudaSuccess) {
+      return ffi::Error::Internal("dsv4 select_topk (CUDA): cannot reserve shared memory for the top-k");
     }
-    TopkKernel<true><<<blocks, kTopkThreads, shared, stream>>>(scores, visible, picks, d.slots,
-                                                               static_cast<int>(d.top_k), sort_size);
-  } else {
-    TopkKernel<false><<<blocks, kTopkThreads, cand_bytes, stream>>>(scores, visible, picks, d.slots,
-                                                                    static_cast<int>(d.top_k), sort_size);
-  }
-  return ffi::Error::Success();
+    kernel<<<blocks, kTopkThreads, shared, stream>>>(scores, visible, picks, d.slots, static_cast<int>(d.top_k),
+                                                    sort_size, capacity);
+    return ffi::Error::Success();
+  };
+  if (d.slots <= kMaxStagedSlots) return launch(TopkKernel<true>, cand_bytes + d.slots * sizeof(uint32_t));
+  return launch(TopkKernel<false>, cand_bytes);
 }
 
 template <typename In>
@@ -437,20 +706,21 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
                         const int32_t* visible, float* scores, const SelectDims& d) {
   const float scale = static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));
   if constexpr (std::is_same_v<In, __nv_bfloat16>) {
-    if (d.heads % 16 == 0 && d.dim % 16 == 0) {  // the tensor-core path
-      const size_t tc_shared = TcSharedBytes(static_cast<int>(d.heads), static_cast<int>(d.dim));
-      if (tc_shared > 48 * 1024 &&
-          cudaFuncSetAttribute(ScoreKernelTc, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(tc_shared)) != cudaSuccess) {
+    if ((d.heads == 16 || d.heads == 32 || d.heads == 64) && d.dim % 16 == 0) {  // the tensor-core path
+      auto kernel = d.heads == 64 ? ScoreKernelMma<64> : d.heads == 32 ? ScoreKernelMma<32> : ScoreKernelMma<16>;
+      const size_t shared = MmaSharedBytes(static_cast<int>(d.heads), static_cast<int>(d.dim));
+      if (shared > 48 * 1024 &&
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)) !=
+              cudaSuccess) {
         return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
       }
       // Enough blocks to fill the card (~4 per SM of an H200), each as many tiles as that allows (<= 8).
-      const int64_t rows = d.rows * d.seq, tiles_total = (d.slots + kTcEntries - 1) / kTcEntries;
+      const int64_t rows = d.rows * d.seq, tiles_total = (d.slots + kMmaEntries - 1) / kMmaEntries;
       const int tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, rows * tiles_total / 528)));
       const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((tiles_total + tiles - 1) / tiles));
-      ScoreKernelTc<<<grid, kTcWarps * 32, tc_shared, stream>>>(
-          static_cast<const __nv_bfloat16*>(queries), weights, static_cast<const __nv_bfloat16*>(keys), visible,
-          scores, d.seq, static_cast<int>(d.heads), static_cast<int>(d.dim), d.slots, scale, tiles);
+      kernel<<<grid, kMmaWarps * 32, shared, stream>>>(static_cast<const __nv_bfloat16*>(queries), weights,
+                                                       static_cast<const __nv_bfloat16*>(keys), visible, scores, d.seq,
+                                                       static_cast<int>(d.dim), d.slots, scale, tiles);
       return ffi::Error::Success();
     }
   }

@@ -72,13 +72,15 @@ def compress(
     returns    the state after the call: the entries of the windows this call completes are
                written at rows ``length // m ..``, the rest of the stream waits in the buffer.
 
-    The stream can touch ``L = (m - 1 + S) // m + 1`` windows; all L are pooled (fixed
-    shapes) and window j of a row is written iff ``j < (length % m + count) // m``.
+    The stream can touch ``L = (m - 1 + S) // m + 1`` windows. At most ``P = L - 1`` of them
+    can complete (``(length % m + count) // m <= (m - 1 + S) // m``), so only the first P are
+    pooled (fixed shapes: a decode step pools one window, not two) and window j of a row is
+    written iff ``j < (length % m + count) // m``; the last window only feeds the buffer.
 
     Shapes per step (Dc = entry width, n = 2 for CSA else 1):
       stream  [B, L*m, n*Dc]    buffered tokens, then the new ones, zero-padded
       windows [B, L, m, n*Dc]
-      slots   [B, L, 2m or m, Dc] -> softmax over slots (float32) -> pooled [B, L, Dc]
+      slots   [B, P, 2m or m, Dc] -> softmax over slots (float32) -> pooled [B, P, Dc]
     """
     xp = namespace(kv, gate, length)
     batch, seq, _ = kv.shape
@@ -86,6 +88,7 @@ def compress(
     dtype = kv.dtype
     dc = kv_norm.shape[-1]
     n_windows = (m - 1 + seq) // m + 1
+    n_pooled = n_windows - 1  # windows that can complete in this call
 
     buffered = (length % m).astype(np.int32)  # [B] tokens of the unfinished window
     first_entry = (length // m).astype(np.int32)  # [B] index of the stream's window 0
@@ -110,6 +113,7 @@ def compress(
     win_kv = stream_kv.reshape(batch, n_windows, m, -1)  # [B, L, m, n*Dc]
     # The reference adds the float32 bias to the raw gate, so the logits are float32.
     win_gate = stream_gate.reshape(batch, n_windows, m, -1).astype(np.float32) + position_bias.astype(np.float32)
+    pool_kv, pool_gate = win_kv[:, :n_pooled], win_gate[:, :n_pooled]  # [B, P, m, n*Dc]
 
     if overlap:
         # Entry w pools [Ca of window w-1 | Cb of window w]. Window -1 of the stream is the
@@ -117,23 +121,23 @@ def compress(
         has_prev = (first_entry > 0)[:, None, None, None]
         prev0_kv = xp.where(has_prev, state.overlap_kv[:, None], xp.zeros_like(state.overlap_kv[:, None]))
         prev0_gate = xp.where(has_prev, state.overlap_gate[:, None], -np.inf)
-        prev_kv = xp.concatenate([prev0_kv.astype(dtype), win_kv[:, :-1, :, :dc]], axis=1)
-        prev_gate = xp.concatenate([prev0_gate.astype(np.float32), win_gate[:, :-1, :, :dc]], axis=1)
-        slots_kv = xp.concatenate([prev_kv, win_kv[..., dc:]], axis=2)  # [B, L, 2m, Dc]
-        slots_gate = xp.concatenate([prev_gate, win_gate[..., dc:]], axis=2)
+        prev_kv = xp.concatenate([prev0_kv.astype(dtype), pool_kv[:, :-1, :, :dc]], axis=1)
+        prev_gate = xp.concatenate([prev0_gate.astype(np.float32), pool_gate[:, :-1, :, :dc]], axis=1)
+        slots_kv = xp.concatenate([prev_kv, pool_kv[..., dc:]], axis=2)  # [B, P, 2m, Dc]
+        slots_gate = xp.concatenate([prev_gate, pool_gate[..., dc:]], axis=2)
     else:
-        slots_kv, slots_gate = win_kv, win_gate
+        slots_kv, slots_gate = pool_kv, pool_gate
 
     probs = xp.exp(slots_gate - xp.max(slots_gate, axis=2, keepdims=True))
     probs = (probs / xp.sum(probs, axis=2, keepdims=True)).astype(dtype)
     # Product in the kv dtype, sum accumulated in float32 and rounded once (a torch bf16 sum).
     pooled = (slots_kv * probs).astype(np.float32).sum(axis=2).astype(dtype)  # [B, L, Dc]
     pooled = rms_norm(pooled, kv_norm, eps)
-    entry_pos = (first_entry[:, None] + xp.arange(n_windows, dtype=np.int32)[None, :]) * m  # [B, L]
+    entry_pos = (first_entry[:, None] + xp.arange(n_pooled, dtype=np.int32)[None, :]) * m  # [B, P]
     pooled = apply_rope(pooled, entry_pos, freqs, scale=rope_scale)
 
     # Write the completed windows' entries; the rest of the stream waits in the buffer.
-    j = xp.arange(n_windows, dtype=np.int32)[None, :]
+    j = xp.arange(n_pooled, dtype=np.int32)[None, :]
     write = j < completed[:, None]
     if frozen is not None:
         write = write & ~frozen[:, None]

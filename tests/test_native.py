@@ -64,6 +64,33 @@ def test_topk_on_long_rows(graph):
     assert got[1, 0].tolist() == list(range(0, 3 * 512, 3))
 
 
+def spread_rows(rng, slots: int) -> np.ndarray:
+    """Rows [6, 1, T] that take each path of the CUDA top-k: continuous scores (the threshold's
+    bin is small: gathered and sorted), scores rounded to 1/64 (exact ties inside that bin, signed zeros among them),
+    a large offset (all scores within a sliver of the range), one huge outlier squeezing the
+    rest into the bottom bin (the radix fallback), infinities among finite scores, and all
+    scores equal (no spread)."""
+    normal = rng.normal(size=(slots,))
+    rows = [normal, np.round(normal * 64) / 64, 1000.0 + 1e-3 * normal, normal.copy(), normal.copy(),
+            np.full(slots, 0.25)]
+    rows[3][slots // 2] = 1e30
+    rows[4][::97] = -np.inf
+    rows[4][5::211] = np.inf
+    return np.stack(rows).astype(np.float32)[:, None, :]
+
+
+@needs_native
+@pytest.mark.parametrize("slots", [1000, 4096, 16384, 40000])  # 40000: not staged in shared memory
+@pytest.mark.parametrize("k", [1, 7, 512, 1024, 4096])
+def test_topk_paths_on_spread_and_skewed_rows(slots, k):
+    rng = np.random.default_rng(slots + k)
+    scores = spread_rows(rng, slots)
+    visible = np.array([[slots], [slots - 3], [slots], [slots], [slots - 1], [slots // 2]], np.int32)
+    for graph in (False, True):
+        got = np.asarray(native.topk(scores, visible, top_k=k, graph=graph))
+        np.testing.assert_array_equal(got, reference_picks(scores, visible, k), err_msg=f"graph={graph}")
+
+
 @needs_native
 def test_topk_rows_with_nothing_or_only_minus_inf():
     scores = np.full((2, 1, 40), -np.inf, np.float32)
@@ -109,14 +136,30 @@ def test_select_topk_at_indexer_sizes_in_bf16(graph):
     the reference top-k of those scores (tie rule included)."""
     rng = np.random.default_rng(5)
     args = random_selection_inputs(rng, jnp.bfloat16, batch=3, seq=2, heads=64, dim=128, slots=700)
-    want_scores = indexer.select_topk(*args, top_k=64, with_scores=True)[1]
-    picks, scores = jax.jit(lambda *a: native.select_topk(*a, top_k=64, graph=graph))(*args)
+    check_native_scores_and_picks(args, graph)
+
+
+@needs_native
+@pytest.mark.parametrize(("heads", "dim", "slots"), [(64, 128, 2600), (32, 64, 333), (16, 16, 130)])
+def test_select_topk_tensor_core_shapes_in_bf16(heads, dim, slots):
+    """Every head count of the CUDA tensor-core kernel, rows of several key tiles (16 rows of
+    2600 entries: each block scores two tiles, the second loaded while the first is scored),
+    partial last tiles and rows that see only part of their keys."""
+    rng = np.random.default_rng(heads)
+    args = random_selection_inputs(rng, jnp.bfloat16, batch=4, seq=4, heads=heads, dim=dim, slots=slots)
+    check_native_scores_and_picks(args, graph=True)
+
+
+def check_native_scores_and_picks(args, graph: bool, top_k: int = 64) -> None:
+    want_scores = indexer.select_topk(*args, top_k=top_k, with_scores=True)[1]
+    picks, scores = jax.jit(lambda *a: native.select_topk(*a, top_k=top_k, graph=graph))(*args)
     scores, want_scores = np.asarray(scores), np.asarray(want_scores)
     seen = np.isfinite(want_scores)
     np.testing.assert_array_equal(np.isfinite(scores), seen)
     scale = np.abs(want_scores[seen]).max()
     assert np.abs(scores[seen] - want_scores[seen]).max() < 1e-5 * scale
-    np.testing.assert_array_equal(np.asarray(picks), reference_picks(scores, np.asarray(args[3]), 64))
+    assert not np.signbit(scores[scores == 0]).any(), "-0.0 must be folded into +0.0"
+    np.testing.assert_array_equal(np.asarray(picks), reference_picks(scores, np.asarray(args[3]), top_k))
 
 
 @needs_native

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One H200 call: the V4-Flash stacks of the working tree against the same tree with some files
+# replaced by saved versions (A/B of a Python or csrc/ change in one session, on one machine).
+#   AB_DIR   files at their paths relative to the repository root (default build/ab_old: carry it)
+#   ORDER    tags in the order they run, "new" = the tree, "old" = with AB_DIR's files (default
+#            "new old new": a drift of the machine shows as two different "new" rows)
+#   STACKS, BATCHES, CONTEXTS: bench/stack.py's --stacks / --batches / --contexts (csa / 1,32 / 16384)
+#                                   device run:  bash bench/gpu_tree_ab.sh    (records in $OUT)
+set -uo pipefail
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+AB_DIR=${AB_DIR:-build/ab_old}
+source "$(dirname "$0")/gpu_build.sh"
+saved=/tmp/ab_tree_saved; rm -rf "$saved"; mkdir -p "$saved"
+(cd "$AB_DIR" && find . -type f) | while read -r f; do mkdir -p "$saved/$(dirname "$f")"; cp "$f" "$saved/$f"; done
+use() {  # $1: old | new
+  local src=$saved; [ "$1" = old ] && src=$AB_DIR
+  (cd "$src" && find . -type f) | while read -r f; do cp "$src/$f" "$f"; done
+  if (cd "$AB_DIR" && find . -type f) | grep -q "^./csrc/"; then
+    python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build_$1.log" 2>&1
+  fi
+}
+i=0
+for tag in ${ORDER:-new old new}; do
+  i=$((i + 1)); use "$tag"
+  timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
+    --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" --json "$OUT/h200_stack_ab_${i}_$tag.json" \
+    >"$OUT/stack_ab_${i}_$tag.log" 2>&1
+  echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -6
+done
+use new
+echo "ab total: $(( $(date +%s) - t0 )) s"
