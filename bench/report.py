@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from pathlib import Path
 
@@ -230,6 +231,16 @@ def markdown(records, meta: dict | None = None) -> str:
     if s:
         parts.append("### skipped / failed\n" + s)
     return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def render(path, tables=markdown) -> int:
+    """``--render JSON``: print the tables of a past run's JSON ({"records": [...], "meta": {...}}).
+
+    `tables(records, meta)` makes them: this module's `markdown` (bench/run.py), or a script's own
+    (bench/stack.py, bench/sharded.py). Returns the exit status, 0."""
+    data = json.loads(Path(path).read_text())
+    print(tables(data["records"], data["meta"]))
+    return 0
 
 
 def plot(records, path: Path, title: str = "") -> Path | None:

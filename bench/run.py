@@ -502,9 +502,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.render:
-        data = json.loads(Path(args.render).read_text())
-        print(report.markdown(data["records"], data["meta"]))
-        return 0
+        return report.render(args.render)
 
     t0 = time.perf_counter()
 

@@ -72,7 +72,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import measure  # noqa: E402
+from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import attention as attention_mod  # noqa: E402
@@ -446,9 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.render:
-        data = json.loads(Path(args.render).read_text())
-        print(markdown(data["records"], data["meta"]))
-        return 0
+        return report.render(args.render, markdown)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.size == "flash" else "float32"
     defaults = (dict(batches=[2, 4], context=64, prefills=[32], steps=2, repeats=2) if args.quick else

@@ -67,7 +67,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import floor as floor_mod  # noqa: E402
-from bench import measure  # noqa: E402
+from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from dsv4_jax import attention as attention_mod  # noqa: E402
 from dsv4_jax import backend  # noqa: E402
@@ -478,9 +478,7 @@ def fill_defaults(args) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.render:
-        data = json.loads(Path(args.render).read_text())
-        print(markdown(data["records"], data["meta"]))
-        return 0
+        return report.render(args.render, markdown)
     fill_defaults(args)
     t0 = time.perf_counter()
 

@@ -8,14 +8,30 @@ import os
 # type x break mode x call shape). XLA:CPU keeps IEEE float semantics at every LLVM optimisation
 # level (no fast-math), so the level changes how fast the generated code runs, not what it
 # computes; compiling at level 0 cuts the suite's time by about a quarter. The notebooks'
-# kernels inherit the setting. DSV4_TEST_XLA_OPT=default keeps XLA's default level.
+# kernels and the subprocesses inherit the setting. DSV4_TEST_XLA_OPT=default keeps XLA's
+# default level.
 if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""
 ):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import pytest
-from helpers import GOLDEN_FILES, Golden, load_golden
+from helpers import GOLDEN_FILES, JOBS, Golden, load_golden
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "background(name): the test reads the job `name` of helpers.JOBS")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """The selected tests' jobs start now, in test order, one at a time beside this process."""
+    if not session.config.option.collectonly:
+        JOBS.start(mark.args[0] for item in session.items for mark in item.iter_markers("background"))
+
+
+def pytest_sessionfinish(session):
+    JOBS.stop()
 
 
 @pytest.fixture(scope="session", params=GOLDEN_FILES)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -154,3 +159,102 @@ def assert_trees_close(got, expected, what: str, *, rtol: float, atol: float, sa
             np.testing.assert_array_equal(g, e, err_msg=f"{what}: leaf {i}")
         else:
             np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=f"{what}: leaf {i}")
+
+
+# ---------------------------------------------------------------------------- jobs in the background
+# The tests of a command run in a fresh process (the 8-device sharding run, the notebooks, the
+# demo, the benchmarks' smoke runs) spend their time in that process: conftest.py starts the
+# selected tests' jobs when the session starts, one after another on a thread of their own, so
+# they run on the machine's other core while this process compiles; each test then waits for its
+# job and checks what it left. A job no one started runs when its test asks for it.
+@dataclasses.dataclass(eq=False)
+class Job:
+    """A command whose output the test reads: `command(workdir)` -> argv, run in `cwd` with `env`
+    (None: this process's); its files go to `workdir`, a fresh temporary folder."""
+
+    command: Callable[[Path], list]
+    env: dict | None = None
+    cwd: Path | None = None
+    timeout: float = 900
+    workdir: Path | None = None
+    proc: subprocess.Popen | None = None
+    timed_out: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def run(self) -> None:
+        """Run the command to its end (once; a second call waits for the first)."""
+        with self._lock:
+            if self.done.is_set() or JOBS.stopping:
+                return
+            self.workdir = Path(tempfile.mkdtemp(prefix="dsv4-test-job-"))
+            args = [str(a) for a in self.command(self.workdir)]
+            with open(self.workdir / "stdout", "w") as out, open(self.workdir / "stderr", "w") as err:
+                self.proc = subprocess.Popen(args, cwd=self.cwd, env=self.env, stdout=out, stderr=err,
+                                             stdin=subprocess.DEVNULL, text=True)
+                try:
+                    self.proc.wait(timeout=self.timeout)
+                except subprocess.TimeoutExpired:
+                    self.timed_out = True
+                    self.proc.kill()
+                    self.proc.wait()
+            self.done.set()
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Wait for the job (run it here if no one has started it); its exit status and output.
+        Raises subprocess.TimeoutExpired where it ran past `timeout` (it was killed)."""
+        if JOBS.started(self):
+            self.done.wait()
+        else:
+            self.run()
+        stdout, stderr = ((self.workdir / name).read_text(errors="replace") for name in ("stdout", "stderr"))
+        if self.timed_out:
+            raise subprocess.TimeoutExpired(self.proc.args, self.timeout, stdout, stderr)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class Jobs:
+    """The registered jobs by name; `start` runs a list of them in order on one thread."""
+
+    def __init__(self):
+        self.by_name: dict[str, Job] = {}
+        self.queued: list[Job] = []
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+
+    def register(self, name: str, job: Job, when: bool = True) -> pytest.MarkDecorator:
+        """Register `job` as `name` (unless not `when`); returns the mark that ties a test to it."""
+        if when:
+            self.by_name[name] = job
+        return pytest.mark.background(name)
+
+    def started(self, job: Job) -> bool:
+        return job in self.queued
+
+    def start(self, names) -> None:
+        self.queued = [self.by_name[n] for n in dict.fromkeys(names) if n in self.by_name]
+        if self.queued:
+            self.thread = threading.Thread(target=lambda: [job.run() for job in self.queued], daemon=True,
+                                           name="dsv4-test-jobs")
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for job in self.by_name.values():
+            job.stop()
+
+
+JOBS = Jobs()
+
+
+def background(name: str, command: Callable[[Path], list], when: bool = True, **kwargs) -> pytest.MarkDecorator:
+    """Mark a test as the owner of a job (see `Job`), registered only `when` the test will run;
+    the test reads it with ``JOBS.by_name[name].result()``."""
+    return JOBS.register(name, Job(command, **kwargs), when)

@@ -1,18 +1,32 @@
-"""Smoke test of the benchmark (`bench/run.py`): a tiny run in-process, records checked.
+"""Smoke test of the benchmark (`bench/run.py`): a tiny run, records checked.
 
 Runs the tiny config (CSA layer, the prefill scenario: one compiled step per mode plus the
 picks pass) with every break mode, and the HF peer when torch + transformers are installed.
+The command runs as a job of helpers.JOBS: a fresh process, started with the session beside
+the in-process tests.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
+from helpers import JOBS, background
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import peer  # noqa: E402
+
+HAS_PEER = peer.available() is None
+BENCH_RUN = background("bench", lambda workdir: [
+    sys.executable, ROOT / "bench" / "run.py", "--size", "tiny", "--layers", "csa", "--scenarios", "prefill",
+    "--json", workdir / "out.json", "--no-progress", "--no-plot", *([] if HAS_PEER else ["--no-peer"])],
+    cwd=ROOT, timeout=900)
 
 
 def _load_bench():
@@ -23,23 +37,17 @@ def _load_bench():
 
 
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
-    bench = _load_bench()
-    out = tmp_path_factory.mktemp("bench") / "out.json"
-    argv = ["--size", "tiny", "--layers", "csa", "--scenarios", "prefill", "--json", str(out), "--no-progress",
-            "--no-plot"]
-    from bench import peer
-
-    has_peer = peer.available() is None
-    if not has_peer:
-        argv.append("--no-peer")
-    rc = bench.main(argv)
-    return bench, out, rc, has_peer
+def bench_run():
+    """(bench/run.py as a module, the run's JSON, the finished process, whether the peer ran)."""
+    job = JOBS.by_name["bench"]
+    proc = job.result()
+    return _load_bench(), job.workdir / "out.json", proc, HAS_PEER
 
 
+@BENCH_RUN
 def test_bench_records_have_required_fields(bench_run):
-    bench, out, rc, has_peer = bench_run
-    assert rc == 0
+    bench, out, proc, has_peer = bench_run
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     data = json.loads(out.read_text())
     records = data["records"]
     modes = {r["mode"] for r in records}
@@ -55,6 +63,7 @@ def test_bench_records_have_required_fields(bench_run):
     assert data["meta"]["jax_version"]
 
 
+@BENCH_RUN
 def test_bench_modes_agree(bench_run):
     """Every mode against "none" (the reference of the run), "none" against the HF peer, and
     each record says where its break ran."""

@@ -1,12 +1,16 @@
 """The README's first command runs `python -m dsv4_jax.demo`: it must keep working, and what it
 reports must be the agreement the README promises (same picks in every mode, outputs equal to
-float32 rounding, chunking-invariant)."""
+float32 rounding, chunking-invariant). The command runs as a job of helpers.JOBS: a fresh
+process, started with the session beside the in-process tests."""
 
 from __future__ import annotations
 
 import re
+import sys
 
-from dsv4_jax import CSA, HCA, SLIDING, demo
+from helpers import JOBS, background
+
+from dsv4_jax import CSA, HCA, SLIDING
 
 
 def _sections(out: str) -> dict[str, list[str]]:
@@ -21,10 +25,12 @@ def _sections(out: str) -> dict[str, list[str]]:
     return sections
 
 
-def test_demo_runs_and_reports_agreement(capsys):
-    # Batch 2: a 21-token prefill, then 2 decode steps: 5 CSA entries for a top-4, so the indexer selects.
-    demo.main(["--prompt", "21", "--steps", "2"])
-    sections = _sections(capsys.readouterr().out)
+# Batch 2: a 21-token prefill, then 2 decode steps: 5 CSA entries for a top-4, so the indexer selects.
+@background("demo", lambda _: [sys.executable, "-m", "dsv4_jax.demo", "--prompt", "21", "--steps", "2"], timeout=600)
+def test_demo_runs_and_reports_agreement():
+    proc = JOBS.by_name["demo"].result()
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    sections = _sections(proc.stdout)
     assert list(sections) == [SLIDING, CSA, HCA]
     for layer_type, lines in sections.items():
         diffs = dict(re.findall(r"^  (\w+) vs none: max \|out diff\| (\S+?)(?:,|$)", "\n".join(lines), re.M))

@@ -2,16 +2,20 @@
 
 Each notebook is executed by nbclient in a fresh `python3` kernel (jupyter_client starts it
 with this interpreter, `sys.executable`), with the working directory notebooks/, as Jupyter
-would. Code cells tagged ``picture`` must produce an image/png output.
+would. Code cells tagged ``picture`` must produce an image/png output. The execution is a job
+of helpers.JOBS (``python tests/test_notebooks.py NAME DIR`` writes the executed notebook to
+DIR): it runs beside the rest of the suite, and the test checks the notebook it left.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import JOBS, background
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -41,9 +45,20 @@ def _run(name: str, sockets: Path):
     return nb, time.perf_counter() - start
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "indexer_explorer.ipynb"])
-def test_notebook_runs(name, tmp_path):
-    nb, seconds = _run(name, tmp_path)
+NAMES = ("quickstart.ipynb", "indexer_explorer.ipynb")
+
+
+def _job(name: str) -> pytest.MarkDecorator:
+    return background(f"notebook {name}", lambda workdir: [sys.executable, __file__, name, workdir], timeout=1800)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_job(name)) for name in NAMES])
+def test_notebook_runs(name):
+    job = JOBS.by_name[f"notebook {name}"]
+    proc = job.result()  # a cell that raised: CellExecutionError, with the traceback, on stderr
+    assert proc.returncode == 0, f"{name}: the notebook did not run to the end:\n{proc.stderr[-6000:]}"
+    nb = nbformat.read(job.workdir / name, as_version=4)
+    seconds = float((job.workdir / "seconds").read_text())
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code, f"{name}: no code cells"
     for i, cell in enumerate(code):
@@ -59,10 +74,16 @@ def test_notebook_runs(name, tmp_path):
     assert seconds < BUDGET_S, f"{name}: took {seconds:.0f} s (budget {BUDGET_S} s)"
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "indexer_explorer.ipynb"])
+@pytest.mark.parametrize("name", NAMES)
 def test_notebook_committed_small(name):
     """Committed without outputs: small files, clean diffs."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{name}: commit it with outputs cleared"
+
+
+if __name__ == "__main__":  # the job of test_notebook_runs: python tests/test_notebooks.py NAME DIR
+    executed, took = _run(sys.argv[1], Path(sys.argv[2]))
+    nbformat.write(executed, Path(sys.argv[2]) / sys.argv[1])
+    (Path(sys.argv[2]) / "seconds").write_text(repr(took))

@@ -15,13 +15,16 @@ mode, three single-row shapes (13, 5, 1) for the references.
 from __future__ import annotations
 
 import functools
+import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import EXECUTIONS, execution, random_layer
+from helpers import EXECUTIONS, JOBS, background, execution, random_layer
 
 import dsv4_jax
 from dsv4_jax import attention, breaks
@@ -256,20 +259,16 @@ def test_reset_rows_misuse():
         reset_rows({}, [0])
 
 
-def test_ragged_bench_smoke(tmp_path):
-    """bench/ragged.py on the tiny size: records for the ragged mix and its padded cost."""
-    import json
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from bench import ragged
-
-    out = tmp_path / "ragged.json"
-    assert ragged.main(["--size", "tiny", "--modes", "none-xla,narrow", "--repeats", "1", "--json", str(out)]) == 0
-    data = json.loads(out.read_text())
+@background("ragged bench", lambda workdir: [
+    sys.executable, Path(__file__).resolve().parent.parent / "bench" / "ragged.py", "--size", "tiny",
+    "--modes", "none-xla,narrow", "--repeats", "1", "--json", workdir / "ragged.json"], timeout=600)
+def test_ragged_bench_smoke():
+    """bench/ragged.py on the tiny size: records for the ragged mix and its padded cost (the
+    command runs as a job of helpers.JOBS, beside the in-process tests)."""
+    job = JOBS.by_name["ragged bench"]
+    proc = job.result()
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    data = json.loads((job.workdir / "ragged.json").read_text())
     assert data["meta"]["jax_version"] == jax.__version__
     assert [r["mode"] for r in data["records"]] == ["none-xla", "narrow"]
     for r in data["records"]:

@@ -2,22 +2,24 @@
 
 The readers of the compiled program (collectives from HLO text, the thunk sequence, the
 command-buffer log) on fixed text, and one small run on 2 fake CPU devices in a subprocess
-(jax fixes its device count when the backend starts): every record equals one device, the
-batch mesh compiles with no collective and the heads mesh with the output projection's
-all-reduce. Timings are not asserted: they belong to the benchmark.
+(jax fixes its device count when the backend starts; a job of helpers.JOBS, started with the
+session beside the in-process tests): every record equals one device, the batch mesh compiles
+with no collective and the heads mesh with the output projection's all-reduce. Timings are not
+asserted: they belong to the benchmark.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from helpers import JOBS, background  # noqa: E402
 
 from bench import sharded  # noqa: E402
 
@@ -79,15 +81,18 @@ def test_mesh_arguments():
         raise AssertionError("a bad mesh was accepted")
 
 
-def test_two_fake_devices_equal_one(tmp_path):
-    out = tmp_path / "sharded.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "sharded.py"), "--size", "tiny", "--quick", "--runs",
-         "csa:none,hca:none", "--batches", "2", "--prefills", "", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+_ENV_2 = dict(os.environ)
+_ENV_2["XLA_FLAGS"] = (_ENV_2.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+_ENV_2["JAX_PLATFORMS"] = "cpu"
+
+
+@background("sharded-bench-on-2-devices", lambda workdir: [
+    sys.executable, ROOT / "bench" / "sharded.py", "--size", "tiny", "--quick", "--runs", "csa:none,hca:none",
+    "--batches", "2", "--prefills", "", "--json", workdir / "sharded.json"], cwd=ROOT, env=_ENV_2, timeout=600)
+def test_two_fake_devices_equal_one():
+    job = JOBS.by_name["sharded-bench-on-2-devices"]
+    proc = job.result()
+    out = job.workdir / "sharded.json"
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = json.loads(out.read_text())["records"]
     sharded_recs = [r for r in records if r["mesh"] != "1"]

@@ -3,7 +3,8 @@
 jax fixes its device count when its backend starts, and the rest of the suite runs on one
 CPU device in the same pytest process; so `test_on_8_cpu_devices` runs this file again in a
 subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the other tests skip
-in the one-device process). Run directly on 8 devices, the tests run as themselves:
+in the one-device process), started with the session beside the in-process tests (a job of
+helpers.JOBS). Run directly on 8 devices, the tests run as themselves:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/test_sharding.py
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, execution, random_layer
+from helpers import JOBS, assert_trees_close, background, execution, random_layer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -48,14 +48,18 @@ MESHES = {"data": (8, 1), "data_model": (4, 2)}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+_ENV_8 = dict(os.environ)
+_ENV_8["XLA_FLAGS"] = (_ENV_8.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+
+
 @pytest.mark.skipif(ON_8, reason="already on 8 devices: the tests below run here")
+# -s: XLA's warnings reach this process's view of the subprocess's stderr.
+@background("sharding-on-8-devices", lambda _: [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                                __file__],
+            when=not ON_8, cwd=Path(__file__).parent.parent, env=_ENV_8, timeout=900)
 def test_on_8_cpu_devices():
     """This file on 8 fake CPU devices, in a subprocess; fails with its output if any test fails."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
-    # -s: XLA's warnings reach this process's view of the subprocess's stderr.
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", __file__],
-                          cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = JOBS.by_name["sharding-on-8-devices"].result()
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-12000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout, output[-4000:]

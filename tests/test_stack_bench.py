@@ -1,7 +1,8 @@
 """bench/stack.py: N layers in one jax.jit (issue 9's stack scenario), on the tiny config.
 
 A smoke test of the protocol and the records (timings are not asserted: they belong to the
-benchmark), and of the profile's attribution of kernels to the step's named stages.
+benchmark), and of the profile's attribution of kernels to the step's named stages. The run
+is a job of helpers.JOBS: a fresh process, started with the session beside the in-process tests.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import run as run_mod  # noqa: E402
+from helpers import JOBS, background  # noqa: E402
+
 from bench import stack  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 
@@ -30,14 +32,16 @@ def test_stack_interleaves_the_configs_layer_types():
         stack.stack_layer_indices(cfg, "hca", 99)
 
 
-def test_stack_run_writes_records_and_a_profile_by_stage(tmp_path):
-    out = tmp_path / "stack.json"
-    # Through bench/run.py: the stack scenarios are handed to bench/stack.py.
-    rc = run_mod.main(["--size", "tiny", "--scenarios", "stack_decode,stack_prefill", "--stacks", "mixed",
-                       "--profile", "1:256", "--profile-steps", "2", "--profile-dir", str(tmp_path / "prof"),
-                       "--json", str(out)])
-    assert rc == 0
-    data = json.loads(out.read_text())
+# Through bench/run.py: the stack scenarios are handed to bench/stack.py.
+@background("stack bench", lambda workdir: [
+    sys.executable, ROOT / "bench" / "run.py", "--size", "tiny", "--scenarios", "stack_decode,stack_prefill",
+    "--stacks", "mixed", "--profile", "1:256", "--profile-steps", "2", "--profile-dir", workdir / "prof",
+    "--json", workdir / "stack.json"], cwd=ROOT, timeout=900)
+def test_stack_run_writes_records_and_a_profile_by_stage():
+    job = JOBS.by_name["stack bench"]
+    proc = job.result()
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    data = json.loads((job.workdir / "stack.json").read_text())
     records = data["records"]
     assert {r["scenario"] for r in records} == {"stack_decode", "stack_prefill"}
     for r in records:
