@@ -26,7 +26,8 @@ Each record (scenario ``sharded_decode`` / ``sharded_prefill``) holds:
   step with intermediates (a separate compile): ``max_abs_diff`` of the outputs (and
   ``out_max``, the largest output magnitude, to read it against), ``cache_max_abs_diff`` over
   every cache leaf, ``picks_identical`` (the fraction of query rows whose top-k picks are the
-  same list, order included; CSA) and ``within_tolerance`` (``max_abs_diff <= tol * out_max``;
+  same list, order included; CSA), ``picks_set_identical`` (the same entries in any order: what
+  the attention sees, which sums over the picked set) and ``within_tolerance`` (``max_abs_diff <= tol * out_max``;
   ``--tolerance``: 1e-2 in bf16, 1e-5 in float32; bf16's unit roundoff is 3.9e-3, and a
   split over heads sums the output projection's groups in another order).
 * ``collectives``: the collective operations of the compiled program (``all-reduce``,
@@ -34,8 +35,9 @@ Each record (scenario ``sharded_decode`` / ``sharded_prefill``) holds:
   shapes, read from ``compiled.as_text()`` (the HLO after XLA's optimizations).
 * ``thunks`` (GPU, when ``--xla-dump DIR`` is given; `bench/gpu_sharded.sh` does): the step's
   top-level thunk sequence from XLA's dump: each ``kCommandBuffer`` is one CUDA-graph launch;
-  a collective thunk at top level runs outside the graphs (``collective_thunks_outside``), a
-  collective of the HLO that is not at top level was recorded inside a graph. With
+  a collective at top level, or nested under a top-level ``kAsyncStart`` (how XLA wraps an
+  asynchronous collective), runs outside the graphs (``collective_kinds_outside``); one nested
+  under a ``kCommandBuffer`` was recorded inside a graph (``collective_kinds_inside``). With
   ``--vlog FILE`` (stderr of the run with ``TF_CPP_VMODULE=command_buffer_conversion_pass=3``),
   the thunk kinds recorded inside each graph are listed too (``graph_thunk_kinds``).
 """
@@ -82,7 +84,8 @@ from dsv4_jax.config import CSA, HCA  # noqa: E402
 # (layer name, mode): the issue's matrix. HCA has no indexer: narrow is none there.
 RUNS = (("csa", "none"), ("csa", "narrow"), ("csa", "narrow-device"), ("hca", "none"))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_COLLECTIVE_RE = re.compile(r"=\s*(\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# The result shape may be a tuple with spaces, e.g. an asynchronous all-reduce-start's.
+_COLLECTIVE_RE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _COLLECTIVE_THUNK_RE = re.compile(r"k\w*(AllReduce|AllGather|ReduceScatter|CollectivePermute|AllToAll|Collective)\w*")
 MARK = "@@BENCH_SHARDED"
 
@@ -101,12 +104,33 @@ def collectives(hlo_text: str) -> dict:
 
 
 def thunk_summary(text: str) -> dict:
-    """The top-level thunks of a ``*thunk_sequence_after_thunk_passes.txt`` dump and which of
-    them are collectives (those run outside the CUDA graphs)."""
-    order = [m.group(1) for m in re.finditer(r"^\d+: (k\w+)", text, flags=re.M)]
-    outside = [k for k in order if _COLLECTIVE_THUNK_RE.fullmatch(k)]
+    """The top-level thunks of a ``*thunk_sequence_after_thunk_passes.txt`` dump and which
+    collectives run outside the CUDA graphs.
+
+    A top-level ``kCommandBuffer`` is one graph launch; the thunks indented under it were
+    recorded into the graph. XLA wraps an asynchronous collective in a top-level
+    ``kAsyncStart`` whose nested thunk is the collective itself (``kAllReduce`` through NCCL,
+    or ``kCollectiveKernel``, XLA's own one-shot all-reduce kernel) and a ``kAsyncDone``: a
+    collective found at top level or nested under any top-level thunk other than a command
+    buffer runs outside the graphs; one nested under a command buffer runs inside.
+    """
+    top: list = []  # [kind, [nested kinds]]
+    for line in text.splitlines():
+        m = re.match(r"^(\s*)\d+: (k\w+)", line)
+        if not m:
+            continue
+        if not m.group(1):
+            top.append([m.group(2), []])
+        elif top:
+            top[-1][1].append(m.group(2))
+    order = [kind for kind, _ in top]
+    outside = [k for kind, nested in top if kind != "kCommandBuffer"
+               for k in (kind, *nested) if _COLLECTIVE_THUNK_RE.fullmatch(k)]
+    inside = [k for kind, nested in top if kind == "kCommandBuffer"
+              for k in nested if _COLLECTIVE_THUNK_RE.fullmatch(k)]
     return {"top_level": order, "command_buffers": order.count("kCommandBuffer"),
-            "collective_thunks_outside": len(outside), "collective_kinds_outside": sorted(set(outside))}
+            "collective_thunks_outside": len(outside), "collective_kinds_outside": sorted(set(outside)),
+            "collective_thunks_inside": len(inside), "collective_kinds_inside": sorted(set(inside))}
 
 
 def graph_kinds(vlog: str) -> dict:
@@ -383,6 +407,7 @@ def _line(rec: dict) -> str:
     eq = ""
     if "max_abs_diff" in rec:
         eq = f" diff={rec['max_abs_diff']:.2e}/{rec['out_max']:.2f} picks={rec.get('picks_identical', '-')}" \
+             f"/{rec.get('picks_set_identical', '-')}" \
              f" speedup={rec['speedup']:.2f}"
     return (f"{rec['layer_type']} {rec['mode']:13s} {rec['scenario']:15s} B={rec['batch']:<3d} mesh={rec['mesh']:4s} "
             f"{rec['step_ms']:.3f} ms (compile {rec['compile_s']:.1f} s){eq} collectives: {_coll(rec)}")
@@ -398,7 +423,7 @@ def markdown(records: list, meta: dict) -> str:
              f"{meta.get('started', '')[:16]} UTC",
              "",
              "| layer | mode | case | mesh | step ms | vs 1 device | efficiency | max abs diff / out max "
-             "| picks identical | collectives (HLO) | top-level thunks |",
+             "| picks identical (order / sets) | collectives (HLO) | top-level thunks |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         case = (f"decode B={r.get('batch')} @ {r.get('context_len')}" if r.get("scenario") == "sharded_decode"
@@ -408,12 +433,17 @@ def markdown(records: list, meta: dict) -> str:
                          f"{(r.get('error') or r.get('skipped'))[:80]} | | | | | | |")
             continue
         th = r.get("thunks")
-        thunks = "-" if not th else (f"{th['command_buffers']} graphs, {len(th['top_level']) - th['command_buffers']} "
-                                     f"other ({th['collective_thunks_outside']} collective)")
+        thunks = "-"
+        if th:
+            outside = ", ".join(th["collective_kinds_outside"]) or "none"
+            inside = ", ".join(th.get("collective_kinds_inside", [])) or "none"
+            thunks = (f"{th['command_buffers']} graphs, {len(th['top_level']) - th['command_buffers']} other; "
+                      f"collectives outside: {outside}, inside: {inside}")
         eq = "-" if "max_abs_diff" not in r else f"{r['max_abs_diff']:.2e} / {r['out_max']:.2f}"
         lines.append(f"| {r['layer_type']} | {r['mode']} | {case} | {r['mesh']} | {r['step_ms']:.3f} | "
                      f"{_fmt(r.get('speedup'), '.2f')}x | {_fmt(r.get('scaling_efficiency'), '.2f')} | {eq} | "
-                     f"{_fmt(r.get('picks_identical'), '.3f')} | {_coll(r)} | {thunks} |")
+                     f"{_fmt(r.get('picks_identical'), '.3f')} / {_fmt(r.get('picks_set_identical'), '.3f')} | "
+                     f"{_coll(r)} | {thunks} |")
     return "\n".join(lines) + "\n"
 
 
@@ -440,13 +470,34 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vlog", default=None, help="stderr log of this run with the command-buffer pass's VLOG")
     ap.add_argument("--json", default=None)
     ap.add_argument("--render", default=None, help="print the tables of a past run's JSON")
+    ap.add_argument("--rethunk", default=None, metavar="DIR",
+                    help="re-read each record's `thunks` from the thunk dumps in DIR (the files the records "
+                         "name) and rewrite --json in place: a past run's records after a fix of this reader")
     return ap
+
+
+def rethunk(path: str, where: str) -> int:
+    """``--json PATH --rethunk DIR``: recompute ``thunks`` of a past run's records from its dumps."""
+    data = json.loads(Path(path).read_text())
+    for rec in data["records"]:
+        name = (rec.get("thunks") or {}).get("file")
+        if name and (Path(where) / name).is_file():
+            rec["thunks"] = {**thunk_summary((Path(where) / name).read_text()), "file": name}
+    data["meta"]["rethunk"] = {"reader": "bench/sharded.py thunk_summary",
+                               "date_utc": _dt.datetime.now(_dt.UTC).isoformat()}
+    Path(path).write_text(json.dumps(data, indent=1, default=str))
+    print(markdown(data["records"], data["meta"]))
+    return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.render:
         return report.render(args.render, markdown)
+    if args.rethunk:
+        if not args.json:
+            raise SystemExit("--rethunk needs --json (the past run's records, rewritten in place)")
+        return rethunk(args.json, args.rethunk)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.size == "flash" else "float32"
     defaults = (dict(batches=[2, 4], context=64, prefills=[32], steps=2, repeats=2) if args.quick else

@@ -34,9 +34,11 @@ same model as `bench/run.py`: bytes floor for decode, max(bytes, FLOPs) for pref
 ``ratio_to_floor`` = per_layer_ms / floor_ms. Compile time is measured apart (``compile_s``,
 the first call) and never part of a timing.
 
-``--profile B:CTX[,B:CTX]``: also trace the mixed stack's decode at those shapes with JAX's
-profiler (command buffers kept on) and record the device time per XLA operation
-(`bench/kernel_profile.py`) under ``meta["profiles"]``.
+``--profile ITEM[,ITEM]``: also trace steps with JAX's profiler (command buffers kept on) and
+record the device time per XLA operation (`bench/kernel_profile.py`) under ``meta["profiles"]``.
+An ITEM is ``B:CTX`` (decode of the mixed stack at batch B from context CTX), ``prefill:LEN``
+(a prefill of LEN tokens at B = 1 into empty caches), either prefixed by another stack of
+``--stacks`` (``hca/32:16384``, ``csa/prefill:4096``).
 """
 
 from __future__ import annotations
@@ -263,6 +265,43 @@ def profile_decode(stack: Stack, batch: int, context: int, steps: int, seed: int
     return summary
 
 
+def profile_prefill(stack: Stack, length: int, steps: int, seed: int, log_dir: str) -> dict:
+    """Device time per XLA operation of the stack's prefill of `length` tokens at B = 1."""
+    from bench import kernel_profile
+
+    max_seq_len = _round_up(length)
+    x = _hidden(stack.cfg, 1, length, stack.dtype, seed)
+    pos = _positions(1, 0, length)
+
+    def run_once():
+        h, _ = STACK_STEP(stack.weights, stack.empty_caches(1, max_seq_len), x, pos, specs=stack.specs)
+        jax.block_until_ready(h)
+
+    summary = kernel_profile.profile(run_once, steps, log_dir, module_filter="stack_step")
+    compiled = STACK_STEP.lower(stack.weights, stack.empty_caches(1, max_seq_len), x, pos,
+                                specs=stack.specs).compile()
+    kernel_profile.attach_sources(summary, compiled.as_text())
+    summary.update({"stack": stack.kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
+                    "batch": 1, "context_len": None, "prompt_len": length, "scenario": "stack_prefill"})
+    return summary
+
+
+def profile_items(spec: str | None) -> list:
+    """``--profile`` items as (stack, scenario, batch, length): ``B:CTX``, ``prefill:LEN``,
+    optionally ``STACK/`` first (default: the mixed stack)."""
+    items = []
+    for item in (spec or "").split(","):
+        if not item:
+            continue
+        kind, _, shape = item.rpartition("/")
+        head, _, length = shape.partition(":")
+        if head == "prefill":
+            items.append((kind or "mixed", "stack_prefill", 1, int(length)))
+        else:
+            items.append((kind or "mixed", "stack_decode", int(head), int(length)))
+    return items
+
+
 def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict:
     """The module call against `jax.jit(attention_step)` on one CSA decode step (same inputs).
 
@@ -357,20 +396,23 @@ def run(args, write=None) -> tuple[list, dict]:
                 print(_line(rec), file=sys.stderr, flush=True)
                 if write:
                     write(records, meta)
-            if args.profile and kind == "mixed" and "stack_decode" in scenarios:
+            for p_kind, p_scenario, b, c in profile_items(args.profile):
+                if p_kind != kind:
+                    continue
                 meta.setdefault("profiles", [])
-                for item in args.profile.split(","):
-                    b, c = (int(v) for v in item.split(":"))
-                    try:
-                        prof = profile_decode(stack, b, c, args.profile_steps, args.seed,
-                                              os.path.join(args.profile_dir, f"{mode}_{kind}_B{b}_C{c}"))
-                        prof["mode"] = mode
-                        meta["profiles"].append(prof)
-                    except Exception as err:
-                        meta["profiles"].append({"mode": mode, "batch": b, "context_len": c,
-                                                 "error": f"{type(err).__name__}: {str(err)[:300]}"})
-                    if write:
-                        write(records, meta)
+                where = os.path.join(args.profile_dir, f"{mode}_{kind}_{p_scenario}_B{b}_L{c}")
+                try:
+                    if p_scenario == "stack_decode":
+                        prof = profile_decode(stack, b, c, args.profile_steps, args.seed, where)
+                    else:
+                        prof = profile_prefill(stack, c, max(2, args.profile_steps // 4), args.seed, where)
+                    prof["mode"] = mode
+                    meta["profiles"].append(prof)
+                except Exception as err:
+                    meta["profiles"].append({"mode": mode, "stack": kind, "scenario": p_scenario, "batch": b,
+                                             "context_len": c, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                if write:
+                    write(records, meta)
             del stack
     if args.call_overhead or args.call_overhead_only:
         records.append({**call_overhead(args.call_overhead_size, dtype if gpu else jnp.float32, args.steps,
@@ -426,11 +468,13 @@ def markdown(records: list, meta: dict) -> str:
 
         for prof in meta["profiles"]:
             if prof.get("error"):
-                out.append(f"profile B{prof['batch']} ctx {prof['context_len']}: error {prof['error']}")
+                out.append(f"profile {prof.get('stack', 'mixed')} {prof.get('scenario', 'stack_decode')} "
+                           f"B{prof['batch']} L{prof['context_len']}: error {prof['error']}")
                 continue
             out += ["", kernel_profile.markdown(
                 prof, title=f"**Profile** ({prof['mode']}, {prof['layer_type']} x{prof['n_layers']}, "
-                            f"B={prof['batch']}, ctx {prof['context_len']}):")]
+                            f"B={prof['batch']}, " + (f"prefill {prof['prompt_len']}" if prof.get("prompt_len")
+                                                      else f"ctx {prof['context_len']}") + "):")]
     return "\n".join(out)
 
 
@@ -450,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=None, help="repeats (default 5)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default=None, metavar="B:CTX[,B:CTX]")
+    ap.add_argument("--profile", default=None, metavar="[STACK/]B:CTX|[STACK/]prefill:LEN,...")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--profile-dir", default="/tmp/dsv4_stack_profile")
     ap.add_argument("--call-overhead", action="store_true", help="also time the module call vs the jitted step")

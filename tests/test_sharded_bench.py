@@ -30,6 +30,7 @@ ENTRY %main {
   %all-reduce-done = bf16[8,1,4096]{2,1,0} all-reduce-done(%all-reduce-start)
   %ar.2 = s32[4,1,512]{2,1,0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
   %ag = f32[8,64]{1,0} all-gather(%y), dimensions={0}
+  %ars = (bf16[32,4096]{1,0}, bf16[32,4096]{1,0}) all-reduce-start(%z), replica_groups={{0,1}}, to_apply=%add
   %not = f32[8]{0} add(%a, %b)
 }
 """
@@ -52,9 +53,42 @@ I1201 cbcp.cc:2] Creating command buffer thunk 9 with the following thunks: kKer
 def test_collectives_are_read_from_the_optimized_hlo():
     found = sharded.collectives(HLO)
     assert found == {
-        "all-reduce": {"count": 2, "shapes": {"bf16[8,1,4096]{2,1,0}": 1, "s32[4,1,512]{2,1,0}": 1}},
+        "all-reduce": {"count": 3, "shapes": {"bf16[8,1,4096]{2,1,0}": 1, "s32[4,1,512]{2,1,0}": 1,
+                                              "(bf16[32,4096]{1,0}, bf16[32,4096]{1,0})": 1}},
         "all-gather": {"count": 1, "shapes": {"f32[8,64]{1,0}": 1}},
     }
+
+
+# As XLA 0.11.2 (jax 0.11.2, H200 x2) dumps a heads-sharded decode step: the all-reduce is XLA's
+# one-shot kernel, wrapped in an async start/done pair between two command buffers.
+ASYNC_THUNKS = """000: kCommandBuffer [source       | next=039 (1)]
+    001: kCustomKernel   [source       | next=002 (1)] loop_convert_fusion grid: [8, 1, 1]
+    020: kCustomCall   [prev=019 (1)  | next=021 (1)] kCustomCall
+039: kAsyncStart    [prev=000 (1) | next=000 (2)] stream=computation_stream[0], async_id=39
+    040: kCollectiveKernel [source | sink] kCollectiveKernel
+041: kAsyncDone     [source       | sink        ] async_id=39
+000: kCommandBuffer [prev=039 (2) | sink        ]
+"""
+
+# With collectives enabled in command buffers: the all-reduce recorded into the graph.
+GRAPHED_THUNKS = """000: kCommandBuffer [source       | sink]
+    001: kCustomKernel   [source       | next=002 (1)] loop_convert_fusion grid: [8, 1, 1]
+    002: kAsyncStart    [prev=001 (1) | next=004 (1)] stream=computation_stream[0], async_id=2
+        003: kAllReduce [source | sink] kAllReduce
+    004: kAsyncDone     [prev=002 (1) | sink        ] async_id=2
+"""
+
+
+def test_async_collectives_between_graphs_run_outside_them():
+    summary = sharded.thunk_summary(ASYNC_THUNKS)
+    assert summary["top_level"] == ["kCommandBuffer", "kAsyncStart", "kAsyncDone", "kCommandBuffer"]
+    assert summary["command_buffers"] == 2
+    assert summary["collective_kinds_outside"] == ["kCollectiveKernel"]
+    assert summary["collective_thunks_inside"] == 0
+    graphed = sharded.thunk_summary(GRAPHED_THUNKS)
+    assert graphed["top_level"] == ["kCommandBuffer"]
+    assert graphed["collective_thunks_outside"] == 0
+    assert graphed["collective_kinds_inside"] == ["kAllReduce"]
 
 
 def test_thunk_sequence_says_which_collectives_run_outside_the_graphs():
