@@ -73,6 +73,7 @@ from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from dsv4_jax import attention as attention_mod  # noqa: E402
 from dsv4_jax import backend  # noqa: E402
+from dsv4_jax import sparse_attention as sparse_attention_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 
 STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
@@ -354,12 +355,18 @@ def environment() -> dict:
 def run(args, write=None) -> tuple[list, dict]:
     if getattr(args, "dot_min_rows", None) is not None:
         backend.DOT_MIN_ROWS = args.dot_min_rows
+    if getattr(args, "no_decode_kernel", False):
+        sparse_attention_mod.DECODE_KERNEL = False
+    elif getattr(args, "decode_kernel", False):
+        sparse_attention_mod.DECODE_KERNEL = True
     cfg = stack_config(args.size, args.layers_per_stack)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     env = environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
             "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS,
+            "decode_kernel": {None: "cuda default", True: "everywhere on cuda", False: "off"}.get(
+                sparse_attention_mod.DECODE_KERNEL, str(sparse_attention_mod.DECODE_KERNEL)),
             "fused_input_projections": not getattr(args, "unfused_projections", False), **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
@@ -506,6 +513,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "read at trace time: one value per process)")
     ap.add_argument("--unfused-projections", action="store_true",
                     help="hand the step weights() (no input_proj: XLA merges the input GEMMs itself) for A/B runs")
+    ap.add_argument("--no-decode-kernel", action="store_true",
+                    help="decode attention by the XLA path on CUDA too (dsv4_jax.sparse_attention.DECODE_KERNEL "
+                         "= False; read at trace time) for A/B runs against the Pallas kernel")
+    ap.add_argument("--decode-kernel", action="store_true",
+                    help="the Pallas decode kernel on CUDA for every decode shape it takes (DECODE_KERNEL = True)")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

@@ -18,11 +18,14 @@ and the weighted sum accumulates in float32.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import sparse_decode_kernel
 from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, namespace, scatter_rows
 
 
@@ -111,6 +114,24 @@ def sparse_attention(
                query's attention on the sink, the window and the compressed entries (each
                float32 [B, S, H]; None otherwise)
     """
+    if q.shape[1] == 1 and not with_mass and DECODE_KERNEL is not False:
+        kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
+        blocks = sparse_decode_kernel.default_blocks(kind, q.shape[0])
+        if blocks is None and DECODE_KERNEL is True:
+            blocks = {}  # forced: the kernel's own default blocks
+        kernel = functools.partial(sparse_decode_kernel.sparse_decode_attention, entries=entries, picks=picks,
+                                   visible=visible, **(blocks or {}))
+        if DECODE_KERNEL == "interpret":  # the kernel on any backend (tests, CPU)
+            return AttentionOutput(kernel(q, pool, window_idx, sinks, interpret=True))
+        # Only where a GPU is the default backend: Pallas lowers a Triton kernel only there (a
+        # program exported for CUDA from a CPU machine keeps the XLA path on every platform).
+        if blocks is not None and jax.default_backend() == "gpu" and sparse_decode_kernel.supported_on_gpu(q, **blocks):
+            xla = functools.partial(sparse_attention, entries=entries, picks=picks, visible=visible, block=block,
+                                    precision=precision, with_mass=False)
+            # Chosen when the program is lowered for its platform: the kernel on CUDA.
+            o = jax.lax.platform_dependent(q, pool, window_idx, sinks, cuda=kernel,
+                                           default=lambda *a: _without_kernel(xla, *a))
+            return AttentionOutput(o)
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5
     selection = picks if picks is not None else visible
@@ -157,6 +178,25 @@ def sparse_attention(
         return AttentionOutput(out, (e_sink / denom)[..., 0], masses[0], compressed_mass)
 
     return map_query_blocks(block_fn, (q, window_idx, selection), (pool, sinks, entries), block)
+
+
+# Decode (one query per row, no attention masses) on CUDA may run `sparse_decode_kernel`: the
+# keys gathered inside one Pallas kernel instead of gathered copies and ~9 fusions. None: the
+# kernel on CUDA where it measured faster than this XLA path (`sparse_decode_kernel.default_blocks`:
+# one-row CSA and HCA decode), this path elsewhere and on every other backend; True: the kernel
+# on CUDA for every decode shape it takes; False: this path everywhere (A/B runs:
+# `bench/stack.py --no-decode-kernel` / `--decode-kernel`); "interpret": the kernel in interpret
+# mode on every backend (the CPU parity tests). Read at trace time.
+DECODE_KERNEL: bool | str | None = None
+
+
+def _without_kernel(xla, *args):
+    global DECODE_KERNEL
+    saved, DECODE_KERNEL = DECODE_KERNEL, False
+    try:
+        return xla(*args).o
+    finally:
+        DECODE_KERNEL = saved
 
 
 def _logits(dots: Array, scale: float) -> Array:

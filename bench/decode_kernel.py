@@ -1,0 +1,142 @@
+"""The sparse decode attention alone: the Pallas kernel's block sizes against the XLA path.
+
+    python bench/decode_kernel.py --json $OUT/decode_kernel.json      # on the H200 (gpu_decode_kernel.sh)
+    python bench/decode_kernel.py --render bench/results/<run>.json
+
+V4-Flash shapes in bf16 (64 heads x 512, window 128; CSA: top-512 of 4096 entries; HCA: the
+129 entries of a 16k context), B = 1 and 32. Each case jits `reps` applications of the
+operation in a row (the query nudged each time, so that none is shared), runs it `repeats`
+times after a warm-up and records the median wall time per application (``op_us``): launch
+gaps included, as inside a CUDA graph. The compile is the warm-up's and not timed. Every
+kernel row also records its largest difference from the XLA path (``max_abs_diff``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import report  # noqa: E402
+from bench.stack import environment  # noqa: E402
+from dsv4_jax import sparse_attention as sa  # noqa: E402
+from dsv4_jax import sparse_decode_kernel as sdk  # noqa: E402
+
+CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # (block_keys, block_heads)
+
+
+def inputs(kind: str, b: int, h: int = 64, d: int = 512, w: int = 128, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    t = 4096 if kind == "csa" else 129
+    starts = np.full(b, 16384, np.int32)
+    q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.bfloat16)
+    pool = jnp.asarray(rng.normal(size=(b, w + 1, d)), jnp.bfloat16)
+    sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    widx = sa.window_indices(jnp.asarray(starts[:, None]), jnp.asarray(starts), w)
+    kw = {"entries": jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)}
+    if kind == "csa":
+        kw["picks"] = jnp.asarray(np.stack([rng.permutation(t)[:512] for _ in range(b)])[:, None], jnp.int32)
+    else:
+        kw["visible"] = jnp.full((b, 1), 128, jnp.int32)
+    return q, pool, widx, sinks, kw
+
+
+def timed(op, q, reps: int, repeats: int) -> tuple[float, np.ndarray]:
+    @jax.jit
+    def many(q):
+        def body(i, carry):
+            acc, qi = carry
+            o = op(qi)
+            return acc + o.astype(jnp.float32), qi + (o[..., :1] * 0).astype(qi.dtype)
+        acc, _ = jax.lax.fori_loop(0, reps, body, (jnp.zeros(q.shape, jnp.float32), q))
+        return acc
+
+    jax.block_until_ready(many(q))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(q))
+        times.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(times)) / reps, np.asarray(jax.jit(op)(q), np.float32)
+
+
+def xla_op(qi, *, data):
+    pool, widx, sinks, kw = data
+    saved, sa.DECODE_KERNEL = sa.DECODE_KERNEL, False
+    try:
+        return sa.sparse_attention(qi, pool, widx, sinks, **kw).o
+    finally:
+        sa.DECODE_KERNEL = saved
+
+
+def kernel_op(qi, *, data, **blocks):
+    pool, widx, sinks, kw = data
+    return sdk.sparse_decode_attention(qi, pool, widx, sinks, **blocks, **kw)
+
+
+def run(args) -> list:
+    records = []
+    for kind in args.kinds.split(","):
+        for b in (int(v) for v in args.batches.split(",")):
+            q, pool, widx, sinks, kw = inputs(kind, b)
+
+            data = (pool, widx, sinks, kw)
+            us, ref = timed(functools.partial(xla_op, data=data), q, args.reps, args.repeats)
+            records.append({"kind": kind, "batch": b, "impl": "xla", "op_us": us})
+            print(f"{kind} B={b} xla: {us:.1f} us", flush=True)
+            for bk, bh in CONFIGS:
+                kernel = functools.partial(kernel_op, data=data, block_keys=bk, block_heads=bh)
+                try:
+                    us, got = timed(kernel, q, args.reps, args.repeats)
+                    rec = {"op_us": us, "max_abs_diff": float(np.abs(got - ref).max()),
+                           "out_max": float(np.abs(ref).max())}
+                except Exception as err:  # a record says why a configuration did not run
+                    rec = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                records.append({"kind": kind, "batch": b, "impl": f"kernel bk={bk} bh={bh}", **rec})
+                print(f"{kind} B={b} kernel bk={bk} bh={bh}: {rec}", flush=True)
+    return records
+
+
+def markdown(records: list, meta: dict) -> str:
+    lines = [f"{meta.get('environment', {}).get('device', '')}; reps {meta.get('reps')}", "",
+             "| layer | B | implementation | us per op | max abs diff vs XLA (out max) |", "|---|---|---|---|---|"]
+    for r in records:
+        diff = "-" if "max_abs_diff" not in r else f"{r['max_abs_diff']:.2e} ({r['out_max']:.2f})"
+        us = r.get("error", "")[:60] if "error" in r else f"{r['op_us']:.1f}"
+        lines.append(f"| {r['kind'].upper()} | {r['batch']} | {r['impl']} | {us} | {diff} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", default="csa,hca")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--render", default=None)
+    args = ap.parse_args(argv)
+    if args.render:
+        return report.render(args.render, markdown)
+    meta = {"environment": environment(), "reps": args.reps, "repeats": args.repeats,
+            "configs": CONFIGS, "kernel_defaults": [sdk.BLOCK_KEYS, sdk.BLOCK_HEADS, sdk.NUM_WARPS]}
+    records = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"records": records, "meta": meta}, indent=1, default=str))
+    print(markdown(records, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

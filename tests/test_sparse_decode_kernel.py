@@ -1,0 +1,197 @@
+"""The Pallas sparse decode kernel against its XLA twin (`sparse_attention`'s XLA path).
+
+On the CPU the kernel runs in Pallas' interpret mode (the same kernel body, executed by XLA);
+on CUDA the Triton kernel itself runs (the GPU tests, skipped elsewhere). Float32 agrees
+within 2e-5; bf16 is compared with the float32 result, beside the XLA path's own bf16 error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import sparse_attention as sa
+from dsv4_jax import sparse_decode_kernel as sdk
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def decode_inputs(kind: str, b: int, h: int, d: int, w: int, t: int, k: int, dtype, seed: int = 0,
+                  starts=None):
+    """One decode query per row at position start_b (window partly empty for small starts)."""
+    rng = np.random.default_rng(seed)
+    starts = np.asarray(starts if starts is not None else rng.integers(0, 4 * w, b), np.int32)
+    q = jnp.asarray(rng.normal(size=(b, 1, h, d)), dtype)
+    pool = jnp.asarray(rng.normal(size=(b, w + 1, d)), dtype)
+    sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    widx = sa.window_indices(jnp.asarray(starts[:, None]), jnp.asarray(starts), w)
+    kwargs = {}
+    if kind != "sliding":
+        kwargs["entries"] = jnp.asarray(rng.normal(size=(b, t, d)), dtype)
+    if kind == "csa":  # distinct picks per row, a random tail of -1 (fewer entries than k)
+        picks = np.stack([rng.permutation(t)[:k] for _ in range(b)]).astype(np.int32)
+        picks[np.arange(k)[None, :] >= rng.integers(1, k + 1, b)[:, None]] = -1
+        kwargs["picks"] = jnp.asarray(picks[:, None])
+    elif kind == "hca":
+        kwargs["visible"] = jnp.asarray(rng.integers(0, t + 1, b)[:, None], jnp.int32)
+    return q, pool, widx, sinks, kwargs
+
+
+def _xla(q, pool, widx, sinks, kwargs):
+    # HIGHEST, as the layer passes for float32 (a GPU would otherwise use TF32 for the dots).
+    saved, sa.DECODE_KERNEL = sa.DECODE_KERNEL, False
+    try:
+        return np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs,
+                                              precision=jax.lax.Precision.HIGHEST).o, np.float32)
+    finally:
+        sa.DECODE_KERNEL = saved
+
+
+def kernel_path(q, pool, widx, sinks, kwargs, **blocks):
+    # Triton on CUDA where it takes the shapes (dots of >= 16 in every dimension), else interpret mode.
+    triton_ok = sdk.supported_on_gpu(q, blocks.get("block_heads", sdk.BLOCK_HEADS),
+                                     blocks.get("block_keys", sdk.BLOCK_KEYS))
+    interpret = not (ON_GPU and triton_ok)
+    return np.asarray(sdk.sparse_decode_attention(q, pool, widx, sinks, interpret=interpret, **kwargs, **blocks),
+                      np.float32)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+@pytest.mark.parametrize("blocks", [dict(block_keys=4, block_heads=2, splits=1),
+                                    dict(block_keys=4, block_heads=4, splits=3),
+                                    dict(block_keys=8, block_heads=4, splits=5)])
+def test_kernel_equals_the_xla_path_in_float32(kind, blocks):
+    # splits=5 with 3 window blocks and 3-4 entry blocks: some programs see no key at all.
+    q, pool, widx, sinks, kwargs = decode_inputs(kind, b=3, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32,
+                                                 starts=[0, 5, 40])
+    got = kernel_path(q, pool, widx, sinks, kwargs, **blocks)
+    want = _xla(q, pool, widx, sinks, kwargs)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_row_with_no_key_outputs_zero_as_the_xla_path():
+    # A ragged call's padded row (position -1) sees no key: the sink takes all the mass.
+    q, pool, _, sinks, kwargs = decode_inputs("csa", b=2, h=4, d=8, w=4, t=6, k=3, dtype=jnp.float32)
+    widx = sa.window_indices(jnp.asarray([[-1], [7]]), jnp.asarray([0, 7]), 4)
+    kwargs["picks"] = kwargs["picks"].at[0].set(-1)
+    got = kernel_path(q, pool, widx, sinks, kwargs, block_keys=4, block_heads=4)
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_bf16_kernel_is_as_close_to_float32_as_the_xla_path(kind):
+    q, pool, widx, sinks, kwargs = decode_inputs(kind, b=2, h=4, d=16, w=8, t=24, k=8, dtype=jnp.bfloat16)
+    as32 = {n: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for n, v in kwargs.items()}
+    exact = _xla(q.astype(jnp.float32), pool.astype(jnp.float32), widx, sinks, as32)
+    scale = np.abs(exact).max()
+    kernel_err = np.abs(kernel_path(q, pool, widx, sinks, kwargs, block_keys=8, block_heads=4) - exact).max()
+    xla_err = np.abs(_xla(q, pool, widx, sinks, kwargs) - exact).max()
+    # bf16 rounds at 2^-8 relative; both paths round the logits, the probabilities and the output.
+    assert kernel_err <= max(2 * xla_err, 2 ** -7 * scale), (kernel_err, xla_err, scale)
+
+
+def test_the_cuda_default_is_one_row_csa_and_hca_decode():
+    # Where the kernel measured faster than the XLA path on the H200 (see default_blocks).
+    assert sdk.default_blocks("csa", 1) == {"block_keys": 16, "block_heads": 32}
+    assert sdk.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16}
+    assert sdk.default_blocks("csa", 32) is None and sdk.default_blocks("hca", 8) is None
+    assert sdk.default_blocks("sliding", 1) is None
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_the_default_blocks_equal_the_xla_path(kind, monkeypatch):
+    """The blocks the CUDA default uses, at a realistic window (128) and head count (32), in
+    interpret mode; `sparse_attention` hands them to the kernel."""
+    q, pool, widx, sinks, kwargs = decode_inputs(kind, b=1, h=32, d=32, w=128, t=300, k=64, dtype=jnp.float32,
+                                                 starts=[1000])
+    calls = []
+    real = sdk.sparse_decode_attention
+    monkeypatch.setattr(sdk, "sparse_decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(sa, "DECODE_KERNEL", "interpret")
+    got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs).o, np.float32)
+    assert {n: calls[-1][n] for n in ("block_keys", "block_heads")} == sdk.default_blocks(kind, 1)
+    np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
+
+
+def test_sparse_attention_chooses_the_kernel_only_where_asked(monkeypatch):
+    q, pool, widx, sinks, kwargs = decode_inputs("csa", b=1, h=4, d=8, w=4, t=6, k=3, dtype=jnp.float32)
+    calls = []
+    real = sdk.sparse_decode_attention
+    monkeypatch.setattr(sdk, "sparse_decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(sa, "DECODE_KERNEL", "interpret")
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs)
+    assert calls and calls[-1]["interpret"] is True
+    calls.clear()
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs, with_mass=True)  # masses: the XLA path
+    assert not calls
+    monkeypatch.setattr(sa, "DECODE_KERNEL", None)  # the default: shapes Triton cannot take stay on XLA
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs)
+    assert not calls
+
+
+@pytest.mark.skipif(ON_GPU, reason="a CPU machine's export")
+def test_a_cpu_machine_exports_the_decode_step_for_cuda_with_the_xla_path():
+    # Shapes the kernel takes, in its CUDA default case (one-row HCA decode): Pallas lowers a
+    # Triton kernel only on a GPU machine, so the export keeps the XLA path for every platform.
+    q, pool, widx, sinks, kwargs = decode_inputs("hca", b=1, h=16, d=32, w=32, t=40, k=3, dtype=jnp.float32)
+    assert sdk.supported_on_gpu(q, **sdk.default_blocks("hca", 1))
+    fn = jax.jit(lambda *a: sa.sparse_attention(*a, **kwargs, precision=jax.lax.Precision.HIGHEST).o)
+    exported = jax.export.export(fn, platforms=("cpu", "cuda"))(q, pool, widx, sinks)
+    assert "sparse_decode_attention" not in exported.mlir_module()
+    np.testing.assert_allclose(np.asarray(exported.call(q, pool, widx, sinks), np.float32),
+                               _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_golden_calls_with_decode_through_the_kernel(golden, layer, monkeypatch):
+    """Every golden call of the reference, the decode steps through the kernel (in interpret
+    mode: the golden configs' 4-8 heads are below Triton's 16), without intermediates (which
+    keep the XLA path)."""
+    from helpers import golden_layer, rel_err
+
+    monkeypatch.setattr(sa, "DECODE_KERNEL", "interpret")
+    traced = []
+    real = sdk.sparse_decode_attention
+    monkeypatch.setattr(sdk, "sparse_decode_attention", lambda *a, **k: traced.append(1) or real(*a, **k))
+    jax.clear_caches()  # the switch is read when tracing; jax shares traces between jits of a function
+    try:
+        attn = golden_layer(golden, layer, break_mode="none")
+        cache = attn.init_cache(golden.batch, sum(golden.schedule) + 3)
+        decodes = 0
+        for c in range(len(golden.schedule)):
+            call = golden.call(layer, c)
+            out, cache = attn(jnp.asarray(call["hidden"]), call["positions"], cache)
+            err = rel_err(out, call["out"])
+            assert err < 2e-5, f"{golden.name} layer {layer} call {c}: rel err {err:.2e}"
+            decodes += call["hidden"].shape[1] == 1
+        assert decodes > 0 and traced  # decode calls ran, and their steps were traced with the kernel
+    finally:
+        jax.clear_caches()  # no trace made with the switch outlives the test
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+@pytest.mark.parametrize("b", [1, 32])
+@pytest.mark.parametrize("which", ["kernel_default", "cuda_default"])
+def test_triton_kernel_at_flash_sizes(kind, b, which):
+    """V4-Flash shapes: 64 heads of 512, window 128, top-512 of 4k entries (CSA), 129 (HCA);
+    the kernel's own blocks, and the CUDA default's where it has some."""
+    blocks = {} if which == "kernel_default" else sdk.default_blocks(kind, b)
+    if blocks is None:
+        pytest.skip("the XLA path is the CUDA default here")
+    t = 4096 if kind == "csa" else 129
+    q, pool, widx, sinks, kwargs = decode_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32)
+    np.testing.assert_allclose(kernel_path(q, pool, widx, sinks, kwargs, **blocks),
+                               _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
+    q16, pool16 = q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16)
+    kw16 = {n: (v.astype(jnp.bfloat16) if n == "entries" else v) for n, v in kwargs.items()}
+    exact = _xla(q16.astype(jnp.float32), pool16.astype(jnp.float32), widx, sinks,
+                 {n: (v.astype(jnp.float32) if n == "entries" else v) for n, v in kw16.items()})
+    kernel_err = np.abs(kernel_path(q16, pool16, widx, sinks, kw16, **blocks) - exact).max()
+    xla_err = np.abs(_xla(q16, pool16, widx, sinks, kw16) - exact).max()
+    print(f"bf16 {kind} B={b} {which}: kernel {kernel_err:.2e}, XLA path {xla_err:.2e} "
+          f"(max |o| {np.abs(exact).max():.2f})")
+    assert kernel_err <= max(2 * xla_err, 2 ** -7 * np.abs(exact).max())
