@@ -114,24 +114,37 @@ def sparse_attention(
                query's attention on the sink, the window and the compressed entries (each
                float32 [B, S, H]; None otherwise)
     """
+    xla = functools.partial(_xla_path, entries=entries, picks=picks, visible=visible, block=block,
+                            precision=precision, with_mass=with_mass)
     if q.shape[1] == 1 and not with_mass and DECODE_KERNEL is not False:
-        kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-        blocks = sparse_decode_kernel.default_blocks(kind, q.shape[0])
-        if blocks is None and DECODE_KERNEL is True:
-            blocks = {}  # forced: the kernel's own default blocks
-        kernel = functools.partial(sparse_decode_kernel.sparse_decode_attention, entries=entries, picks=picks,
-                                   visible=visible, **(blocks or {}))
-        if DECODE_KERNEL == "interpret":  # the kernel on any backend (tests, CPU)
-            return AttentionOutput(kernel(q, pool, window_idx, sinks, interpret=True))
-        # Only where a GPU is the default backend: Pallas lowers a Triton kernel only there (a
-        # program exported for CUDA from a CPU machine keeps the XLA path on every platform).
-        if blocks is not None and jax.default_backend() == "gpu" and sparse_decode_kernel.supported_on_gpu(q, **blocks):
-            xla = functools.partial(sparse_attention, entries=entries, picks=picks, visible=visible, block=block,
-                                    precision=precision, with_mass=False)
-            # Chosen when the program is lowered for its platform: the kernel on CUDA.
-            o = jax.lax.platform_dependent(q, pool, window_idx, sinks, cuda=kernel,
-                                           default=lambda *a: _without_kernel(xla, *a))
+        o = _decode_kernel(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible,
+                           xla=lambda *a: xla(*a).o)
+        if o is not None:
             return AttentionOutput(o)
+    return xla(q, pool, window_idx, sinks)
+
+
+def _decode_kernel(q, pool, window_idx, sinks, *, entries, picks, visible, xla) -> Array | None:
+    """`sparse_decode_kernel` where `DECODE_KERNEL` asks for it on these shapes, else None."""
+    kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
+    blocks = sparse_decode_kernel.default_blocks(kind, q.shape[0])
+    if blocks is None and DECODE_KERNEL is True:
+        blocks = {}  # forced: the kernel's own default blocks
+    kernel = functools.partial(sparse_decode_kernel.sparse_decode_attention, entries=entries, picks=picks,
+                               visible=visible, **(blocks or {}))
+    if DECODE_KERNEL == "interpret":  # the kernel on any backend (tests, CPU)
+        return kernel(q, pool, window_idx, sinks, interpret=True)
+    # Only where a GPU is the default backend: Pallas lowers a Triton kernel only there (a
+    # program exported for CUDA from a CPU machine keeps the XLA path on every platform).
+    if blocks is None or jax.default_backend() != "gpu" or not sparse_decode_kernel.supported_on_gpu(q, **blocks):
+        return None
+    # Chosen when the program is lowered for its platform: the kernel on CUDA.
+    return jax.lax.platform_dependent(q, pool, window_idx, sinks, cuda=kernel, default=xla)
+
+
+def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, precision,
+              with_mass) -> AttentionOutput:
+    """`sparse_attention` by XLA: the keys gathered into arrays, logits, softmax, sums."""
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5
     selection = picks if picks is not None else visible
@@ -188,15 +201,6 @@ def sparse_attention(
 # `bench/stack.py --no-decode-kernel` / `--decode-kernel`); "interpret": the kernel in interpret
 # mode on every backend (the CPU parity tests). Read at trace time.
 DECODE_KERNEL: bool | str | None = None
-
-
-def _without_kernel(xla, *args):
-    global DECODE_KERNEL
-    saved, DECODE_KERNEL = DECODE_KERNEL, False
-    try:
-        return xla(*args).o
-    finally:
-        DECODE_KERNEL = saved
 
 
 def _logits(dots: Array, scale: float) -> Array:
