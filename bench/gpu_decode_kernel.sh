@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One H200 call for the Pallas sparse decode kernel (issue 9): build, the kernel's parity tests
 # on the GPU (Triton against the XLA path at V4-Flash sizes, float32 within 2e-5, bf16 reported),
-# where the kernel sits in the step's thunks (inside a CUDA graph or not), then the stacks with the
-# the operation alone (bench/decode_kernel.py: block sizes against the XLA path; MICRO_ARGS), then
-# the stacks with the kernel against the XLA path in one machine (ORDER, default "kernel xla
-# kernel"; ORDER="" skips them), with profiles of the HCA stack at B = 32 and a CSA prefill of 4k
-# in the first run. TESTS=0 skips the tests.
+# the operation alone (bench/decode_kernel.py: block sizes against the XLA path; MICRO_ARGS),
+# then the stacks in one machine (ORDER, default "kernel xla kernel": "kernel" = the package's
+# default (the kernel for one-row CSA/HCA decode), "xla" = --no-decode-kernel, "forced" =
+# --decode-kernel; ORDER="" skips them), with profiles of the HCA stack at B = 32 and a CSA
+# prefill of 4k and the kernel's place in the thunks (inside a CUDA graph or not) in the first
+# run. TESTS=0 skips the tests.
 #                                                    device run:  bash bench/gpu_decode_kernel.sh
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -22,8 +23,8 @@ timeout ${MICRO_TIMEOUT:-150} python3 bench/decode_kernel.py --json "$OUT/h200_d
 i=0
 for tag in ${ORDER-kernel xla kernel}; do
   i=$((i + 1)); extra=""; flags="$PROF"
-  [ "$tag" = xla ] && extra="--no-decode-kernel"      # kernel: the CUDA default (one-row decode)
-  [ "$tag" = forced ] && extra="--decode-kernel"      # the kernel for every decode shape
+  [ "$tag" = xla ] && extra="--no-decode-kernel"
+  [ "$tag" = forced ] && extra="--decode-kernel"
   if [ $i = 1 ]; then
     extra="$extra --profile ${PROFILE:-hca/32:16384,csa/prefill:4096}"
     flags="$flags --xla_dump_to=/tmp/dk_dump --xla_dump_hlo_module_re=.*stack_step.*"
