@@ -4,9 +4,11 @@
     python bench/decode_kernel.py --render bench/results/<run>.json
 
 V4-Flash shapes in bf16 (64 heads x 512, window 128; CSA: top-512 of 4096 entries; HCA: the
-129 entries of a 16k context), B = 1 and 32. Each case jits `reps` applications of the
-operation in a row (the query nudged each time, so that none is shared), runs it `repeats`
-times after a warm-up and records the median wall time per application (``op_us``): launch
+128 visible of 129 entry slots at a 16k context), B = 1 and 32. Off the GPU the kernel runs in
+interpret mode (`--quick`: small shapes, the CPU smoke test in
+`tests/test_sparse_decode_kernel.py`). Each case jits `reps` applications of the operation in
+a row (the query nudged each time, so that none is shared), runs it `repeats` times after a
+warm-up and records the median wall time per application (``op_us``): launch
 gaps included, as inside a CUDA graph. The compile is the warm-up's and not timed. Every
 kernel row also records its largest difference from the XLA path (``max_abs_diff``).
 """
@@ -36,19 +38,23 @@ from dsv4_jax import sparse_decode_kernel as sdk  # noqa: E402
 CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # (block_keys, block_heads)
 
 
-def inputs(kind: str, b: int, h: int = 64, d: int = 512, w: int = 128, seed: int = 0):
+FLASH = dict(h=64, d=512, w=128, t_csa=4096, k=512, t_hca=129, context=16384)
+QUICK = dict(h=16, d=32, w=16, t_csa=64, k=16, t_hca=9, context=1100)  # --quick: CPU smoke, interpret mode
+
+
+def inputs(kind: str, b: int, h: int, d: int, w: int, t_csa: int, k: int, t_hca: int, context: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    t = 4096 if kind == "csa" else 129
-    starts = np.full(b, 16384, np.int32)
+    t = t_csa if kind == "csa" else t_hca
+    starts = np.full(b, context, np.int32)
     q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.bfloat16)
     pool = jnp.asarray(rng.normal(size=(b, w + 1, d)), jnp.bfloat16)
     sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
     widx = sa.window_indices(jnp.asarray(starts[:, None]), jnp.asarray(starts), w)
     kw = {"entries": jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)}
     if kind == "csa":
-        kw["picks"] = jnp.asarray(np.stack([rng.permutation(t)[:512] for _ in range(b)])[:, None], jnp.int32)
+        kw["picks"] = jnp.asarray(np.stack([rng.permutation(t)[:k] for _ in range(b)])[:, None], jnp.int32)
     else:
-        kw["visible"] = jnp.full((b, 1), 128, jnp.int32)
+        kw["visible"] = jnp.full((b, 1), (context + 1) // 128, jnp.int32)
     return q, pool, widx, sinks, kw
 
 
@@ -87,16 +93,18 @@ def kernel_op(qi, *, data, **blocks):
 
 def run(args) -> list:
     records = []
+    shapes, configs = (QUICK, ((16, 16),)) if args.quick else (FLASH, CONFIGS)
+    interpret = jax.default_backend() != "gpu"
     for kind in args.kinds.split(","):
         for b in (int(v) for v in args.batches.split(",")):
-            q, pool, widx, sinks, kw = inputs(kind, b)
+            q, pool, widx, sinks, kw = inputs(kind, b, **shapes)
 
             data = (pool, widx, sinks, kw)
             us, ref = timed(functools.partial(xla_op, data=data), q, args.reps, args.repeats)
             records.append({"kind": kind, "batch": b, "impl": "xla", "op_us": us})
             print(f"{kind} B={b} xla: {us:.1f} us", flush=True)
-            for bk, bh in CONFIGS:
-                kernel = functools.partial(kernel_op, data=data, block_keys=bk, block_heads=bh)
+            for bk, bh in configs:
+                kernel = functools.partial(kernel_op, data=data, block_keys=bk, block_heads=bh, interpret=interpret)
                 try:
                     us, got = timed(kernel, q, args.reps, args.repeats)
                     rec = {"op_us": us, "max_abs_diff": float(np.abs(got - ref).max()),
@@ -124,13 +132,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="small shapes, one block shape, 2 x 1 runs (CPU smoke)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--render", default=None)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps, args.repeats = 2, 1
     if args.render:
         return report.render(args.render, markdown)
-    meta = {"environment": environment(), "reps": args.reps, "repeats": args.repeats,
-            "configs": CONFIGS, "kernel_defaults": [sdk.BLOCK_KEYS, sdk.BLOCK_HEADS, sdk.NUM_WARPS]}
+    meta = {"environment": environment(), "reps": args.reps, "repeats": args.repeats, "quick": args.quick,
+            "configs": CONFIGS, "kernel_defaults": [sdk.BLOCK_KEYS, sdk.BLOCK_HEADS, sdk.NUM_WARPS],
+            "interpret": jax.default_backend() != "gpu"}
     records = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps({"records": records, "meta": meta}, indent=1, default=str))

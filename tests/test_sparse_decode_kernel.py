@@ -195,3 +195,25 @@ def test_triton_kernel_at_flash_sizes(kind, b, which):
     print(f"bf16 {kind} B={b} {which}: kernel {kernel_err:.2e}, XLA path {xla_err:.2e} "
           f"(max |o| {np.abs(exact).max():.2f})")
     assert kernel_err <= max(2 * xla_err, 2 ** -7 * np.abs(exact).max())
+
+
+def test_the_benchmark_runs_and_agrees(tmp_path):
+    """bench/decode_kernel.py --quick (interpret mode off the GPU): every kernel row timed and
+    within bf16 rounding of the XLA path (timings are the benchmark's, not asserted)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench import decode_kernel
+
+    out = tmp_path / "decode_kernel.json"
+    assert decode_kernel.main(["--quick", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    kernels = [r for r in records if r["impl"].startswith("kernel")]
+    assert len(kernels) == 4 and len(records) == 8  # CSA and HCA, B = 1 and 32, XLA and one kernel
+    for r in kernels:
+        assert "error" not in r, r
+        assert r["op_us"] > 0 and r["max_abs_diff"] <= 2 ** -6 * r["out_max"], r
