@@ -1,10 +1,12 @@
-"""The sparse decode attention alone: the Pallas kernel's block sizes against the XLA path.
+"""Sparse attention alone, decode and prefill: the Pallas kernel's blocks against the XLA path.
 
     python bench/decode_kernel.py --json $OUT/decode_kernel.json      # on the H200 (gpu_decode_kernel.sh)
     python bench/decode_kernel.py --render bench/results/<run>.json
 
-V4-Flash shapes in bf16 (64 heads x 512, window 128; CSA: top-512 of 4096 entries; HCA: the
-128 visible of 129 entry slots at a 16k context), B = 1 and 32. Off the GPU the kernel runs in
+V4-Flash shapes in bf16 (64 heads x 512, window 128; decode: CSA top-512 of 4096 entries, HCA
+the 128 visible of 129 entry slots at a 16k context, B = 1 and 32; prefill (`--phases
+decode,prefill`): a prompt of `--prefill-len` tokens (4096) at B = 1, CSA top-512 of its
+len/4 entries, HCA its len/128, each query's visible ones). Off the GPU the kernel runs in
 interpret mode (`--quick`: small shapes, the CPU smoke test in
 `tests/test_sparse_decode_kernel.py`). Each case jits `reps` applications of the operation in
 a row (the query nudged each time, so that none is shared), runs it `repeats` times after a
@@ -33,9 +35,12 @@ import numpy as np  # noqa: E402
 from bench import report  # noqa: E402
 from bench.stack import environment  # noqa: E402
 from dsv4_jax import sparse_attention as sa  # noqa: E402
-from dsv4_jax import sparse_decode_kernel as sdk  # noqa: E402
+from dsv4_jax import sparse_attention_kernel as sak  # noqa: E402
 
-CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # (block_keys, block_heads)
+CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # decode: (block_keys, block_heads)
+# prefill: (block_keys, block_heads, num_warps): one program per query and head block
+PREFILL_CONFIGS = ((32, 32, 8), (16, 32, 4), (32, 32, 4), (64, 32, 8), (32, 64, 8), (16, 64, 8), (32, 64, 16),
+                   (32, 16, 4))
 
 
 FLASH = dict(h=64, d=512, w=128, t_csa=4096, k=512, t_hca=129, context=16384)
@@ -43,6 +48,7 @@ QUICK = dict(h=16, d=32, w=16, t_csa=64, k=16, t_hca=9, context=1100)  # --quick
 
 
 def inputs(kind: str, b: int, h: int, d: int, w: int, t_csa: int, k: int, t_hca: int, context: int, seed: int = 0):
+    """One decode step per row at position `context`."""
     rng = np.random.default_rng(seed)
     t = t_csa if kind == "csa" else t_hca
     starts = np.full(b, context, np.int32)
@@ -55,6 +61,30 @@ def inputs(kind: str, b: int, h: int, d: int, w: int, t_csa: int, k: int, t_hca:
         kw["picks"] = jnp.asarray(np.stack([rng.permutation(t)[:k] for _ in range(b)])[:, None], jnp.int32)
     else:
         kw["visible"] = jnp.full((b, 1), (context + 1) // 128, jnp.int32)
+    return q, pool, widx, sinks, kw
+
+
+def prefill_inputs(kind: str, b: int, h: int, d: int, w: int, k: int, length: int, seed: int = 0, **_):
+    """A prompt of `length` tokens from an empty cache: query t sees CSA entries < (t+1)//4 (its
+    top-k of them at random, -1 past the visible ones) or HCA entries < (t+1)//128."""
+    rng = np.random.default_rng(seed)
+    m = 4 if kind == "csa" else 128
+    t_entries = length // m
+    q = jnp.asarray(rng.normal(size=(b, length, h, d)), jnp.bfloat16)
+    pool = jnp.asarray(rng.normal(size=(b, w + length, d)), jnp.bfloat16)
+    sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length))
+    widx = sa.window_indices(jnp.asarray(positions), jnp.zeros(b, jnp.int32), w)
+    kw = {"entries": jnp.asarray(rng.normal(size=(b, max(t_entries, 1), d)), jnp.bfloat16)}
+    visible = (positions + 1) // m
+    if kind == "csa":
+        score = rng.random((b, length, max(t_entries, 1)), np.float32)
+        score[np.arange(max(t_entries, 1))[None, None, :] >= visible[..., None]] = -1
+        picks = np.argsort(-score, axis=-1, kind="stable")[..., :k].astype(np.int32)
+        picks = np.where(np.arange(picks.shape[-1])[None, None, :] < visible[..., None], picks, -1)
+        kw["picks"] = jnp.asarray(picks, jnp.int32)
+    else:
+        kw["visible"] = jnp.asarray(visible, jnp.int32)
     return q, pool, widx, sinks, kw
 
 
@@ -79,57 +109,75 @@ def timed(op, q, reps: int, repeats: int) -> tuple[float, np.ndarray]:
 
 def xla_op(qi, *, data):
     pool, widx, sinks, kw = data
-    saved, sa.DECODE_KERNEL = sa.DECODE_KERNEL, False
+    saved = sa.DECODE_KERNEL, sa.PREFILL_KERNEL
+    sa.DECODE_KERNEL = sa.PREFILL_KERNEL = False
     try:
         return sa.sparse_attention(qi, pool, widx, sinks, **kw).o
     finally:
-        sa.DECODE_KERNEL = saved
+        sa.DECODE_KERNEL, sa.PREFILL_KERNEL = saved
 
 
 def kernel_op(qi, *, data, **blocks):
     pool, widx, sinks, kw = data
-    return sdk.sparse_decode_attention(qi, pool, widx, sinks, **blocks, **kw)
+    return sak.sparse_attention_kernel(qi, pool, widx, sinks, **blocks, **kw)
 
 
 def run(args) -> list:
     records = []
-    shapes, configs = (QUICK, ((16, 16),)) if args.quick else (FLASH, CONFIGS)
+    shapes = QUICK if args.quick else FLASH
     interpret = jax.default_backend() != "gpu"
-    for kind in args.kinds.split(","):
-        for b in (int(v) for v in args.batches.split(",")):
-            q, pool, widx, sinks, kw = inputs(kind, b, **shapes)
-
-            data = (pool, widx, sinks, kw)
-            us, ref = timed(functools.partial(xla_op, data=data), q, args.reps, args.repeats)
-            records.append({"kind": kind, "batch": b, "impl": "xla", "op_us": us})
-            print(f"{kind} B={b} xla: {us:.1f} us", flush=True)
-            for bk, bh in configs:
-                kernel = functools.partial(kernel_op, data=data, block_keys=bk, block_heads=bh, interpret=interpret)
-                try:
-                    us, got = timed(kernel, q, args.reps, args.repeats)
-                    rec = {"op_us": us, "max_abs_diff": float(np.abs(got - ref).max()),
-                           "out_max": float(np.abs(ref).max())}
-                except Exception as err:  # a record says why a configuration did not run
-                    rec = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-                records.append({"kind": kind, "batch": b, "impl": f"kernel bk={bk} bh={bh}", **rec})
-                print(f"{kind} B={b} kernel bk={bk} bh={bh}: {rec}", flush=True)
+    cases = []  # (phase, kind, batch, inputs, block configs, reps)
+    for phase in args.phases.split(","):
+        for kind in args.kinds.split(","):
+            if phase == "decode":
+                for b in (int(v) for v in args.batches.split(",")):
+                    configs = ((16, 16, 4),) if args.quick else tuple((*c, sak.NUM_WARPS) for c in CONFIGS)
+                    cases.append((phase, kind, b, lambda kind=kind, b=b: inputs(kind, b, **shapes), configs, args.reps))
+            else:
+                length = 64 if args.quick else args.prefill_len
+                configs = ((16, 16, 4),) if args.quick else PREFILL_CONFIGS
+                cases.append((phase, kind, 1, lambda kind=kind, length=length: prefill_inputs(
+                    kind, 1, length=length, **shapes), configs, max(1, args.reps // 4)))
+    for phase, kind, b, make, configs, reps in cases:
+        q, pool, widx, sinks, kw = make()
+        data = (pool, widx, sinks, kw)
+        base = {"phase": phase, "kind": kind, "batch": b, "queries": q.shape[1]}
+        us, ref = timed(functools.partial(xla_op, data=data), q, reps, args.repeats)
+        records.append({**base, "impl": "xla", "op_us": us})
+        print(f"{phase} {kind} B={b} xla: {us:.1f} us", flush=True)
+        for bk, bh, warps in configs:
+            kernel = functools.partial(kernel_op, data=data, block_keys=bk, block_heads=bh, num_warps=warps,
+                                       interpret=interpret)
+            try:
+                us, got = timed(kernel, q, reps, args.repeats)
+                rec = {"op_us": us, "max_abs_diff": float(np.abs(got - ref).max()),
+                       "out_max": float(np.abs(ref).max())}
+            except Exception as err:  # a record says why a configuration did not run
+                rec = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            records.append({**base, "impl": f"kernel bk={bk} bh={bh} w={warps}", **rec})
+            print(f"{phase} {kind} B={b} kernel bk={bk} bh={bh} w={warps}: {rec}", flush=True)
+        del q, pool, widx, kw, data, ref
     return records
 
 
 def markdown(records: list, meta: dict) -> str:
     lines = [f"{meta.get('environment', {}).get('device', '')}; reps {meta.get('reps')}", "",
-             "| layer | B | implementation | us per op | max abs diff vs XLA (out max) |", "|---|---|---|---|---|"]
+             "| phase | layer | B | queries | implementation | us per op | max abs diff vs XLA (out max) |",
+             "|---|---|---|---|---|---|---|"]
     for r in records:
         diff = "-" if "max_abs_diff" not in r else f"{r['max_abs_diff']:.2e} ({r['out_max']:.2f})"
         us = r.get("error", "")[:60] if "error" in r else f"{r['op_us']:.1f}"
-        lines.append(f"| {r['kind'].upper()} | {r['batch']} | {r['impl']} | {us} | {diff} |")
+        lines.append(f"| {r.get('phase', 'decode')} | {r['kind'].upper()} | {r['batch']} | {r.get('queries', 1)} "
+                     f"| {r['impl']} | {us} | {diff} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", default="csa,hca")
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches", default="1,32", help="decode batches")
+    ap.add_argument("--phases", default="decode", help="decode, prefill or both")
+    ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="small shapes, one block shape, 2 x 1 runs (CPU smoke)")
@@ -141,7 +189,8 @@ def main(argv=None) -> int:
     if args.render:
         return report.render(args.render, markdown)
     meta = {"environment": environment(), "reps": args.reps, "repeats": args.repeats, "quick": args.quick,
-            "configs": CONFIGS, "kernel_defaults": [sdk.BLOCK_KEYS, sdk.BLOCK_HEADS, sdk.NUM_WARPS],
+            "configs": CONFIGS, "prefill_configs": PREFILL_CONFIGS,
+            "kernel_defaults": [sak.BLOCK_KEYS, sak.BLOCK_HEADS, sak.NUM_WARPS],
             "interpret": jax.default_backend() != "gpu"}
     records = run(args)
     if args.json:

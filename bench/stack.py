@@ -72,7 +72,7 @@ from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from dsv4_jax import attention as attention_mod  # noqa: E402
-from dsv4_jax import backend  # noqa: E402
+from dsv4_jax import backend, sparse_attention_kernel  # noqa: E402
 from dsv4_jax import sparse_attention as sparse_attention_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 
@@ -359,14 +359,24 @@ def run(args, write=None) -> tuple[list, dict]:
         sparse_attention_mod.DECODE_KERNEL = False
     elif getattr(args, "decode_kernel", False):
         sparse_attention_mod.DECODE_KERNEL = True
+    if getattr(args, "no_prefill_kernel", False):
+        sparse_attention_mod.PREFILL_KERNEL = False
+    elif getattr(args, "prefill_kernel", False):
+        sparse_attention_mod.PREFILL_KERNEL = True
+    if getattr(args, "prefill_blocks", None):  # bk,bh,warps of a forced prefill kernel
+        sparse_attention_kernel.FORCED_BLOCKS["prefill"] = tuple(int(v) for v in args.prefill_blocks.split(","))
+    switch_names = {None: "cuda default", True: "everywhere on cuda", False: "off"}
     cfg = stack_config(args.size, args.layers_per_stack)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     env = environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
             "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS,
-            "decode_kernel": {None: "cuda default", True: "everywhere on cuda", False: "off"}.get(
-                sparse_attention_mod.DECODE_KERNEL, str(sparse_attention_mod.DECODE_KERNEL)),
+            "decode_kernel": switch_names.get(sparse_attention_mod.DECODE_KERNEL,
+                                              str(sparse_attention_mod.DECODE_KERNEL)),
+            "prefill_kernel": switch_names.get(sparse_attention_mod.PREFILL_KERNEL,
+                                               str(sparse_attention_mod.PREFILL_KERNEL)),
+            "prefill_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["prefill"]),
             "fused_input_projections": not getattr(args, "unfused_projections", False), **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
@@ -518,6 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "= False; read at trace time) for A/B runs against the Pallas kernel")
     ap.add_argument("--decode-kernel", action="store_true",
                     help="the Pallas decode kernel on CUDA for every decode shape it takes (DECODE_KERNEL = True)")
+    ap.add_argument("--no-prefill-kernel", action="store_true",
+                    help="prefill attention by the XLA path on CUDA too (PREFILL_KERNEL = False)")
+    ap.add_argument("--prefill-kernel", action="store_true",
+                    help="the Pallas kernel on CUDA for every prefill shape it takes (PREFILL_KERNEL = True)")
+    ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS",
+                    help="blocks of the forced prefill kernel (sparse_attention_kernel.FORCED_BLOCKS['prefill'])")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

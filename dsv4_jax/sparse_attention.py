@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sparse_decode_kernel
+from . import sparse_attention_kernel
 from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, namespace, scatter_rows
 
 
@@ -116,27 +116,33 @@ def sparse_attention(
     """
     xla = functools.partial(_xla_path, entries=entries, picks=picks, visible=visible, block=block,
                             precision=precision, with_mass=with_mass)
-    if q.shape[1] == 1 and not with_mass and DECODE_KERNEL is not False:
-        o = _decode_kernel(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible,
-                           xla=lambda *a: xla(*a).o)
+    if not with_mass:
+        o = _kernel_path(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible,
+                         xla=lambda *a: xla(*a).o)
         if o is not None:
             return AttentionOutput(o)
     return xla(q, pool, window_idx, sinks)
 
 
-def _decode_kernel(q, pool, window_idx, sinks, *, entries, picks, visible, xla) -> Array | None:
-    """`sparse_decode_kernel` where `DECODE_KERNEL` asks for it on these shapes, else None."""
+def _kernel_path(q, pool, window_idx, sinks, *, entries, picks, visible, xla) -> Array | None:
+    """`sparse_attention_kernel` where `DECODE_KERNEL` / `PREFILL_KERNEL` ask for it on these
+    shapes, else None."""
+    kernels = sparse_attention_kernel
+    phase = kernels.phase_of(q)
+    switch = DECODE_KERNEL if phase == "decode" else PREFILL_KERNEL
+    if switch is False:
+        return None
     kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-    blocks = sparse_decode_kernel.default_blocks(kind, q.shape[0])
-    if blocks is None and DECODE_KERNEL is True:
-        blocks = {}  # forced: the kernel's own default blocks
-    kernel = functools.partial(sparse_decode_kernel.sparse_decode_attention, entries=entries, picks=picks,
-                               visible=visible, **(blocks or {}))
-    if DECODE_KERNEL == "interpret":  # the kernel on any backend (tests, CPU)
+    blocks = kernels.default_blocks(kind, q.shape[0], phase)
+    if blocks is None and switch is not None:
+        blocks = kernels.forced_blocks(phase)  # forced: where the table has no blocks
+    kernel = functools.partial(kernels.sparse_attention_kernel, entries=entries, picks=picks, visible=visible,
+                               **(blocks or {}))
+    if switch == "interpret":  # the kernel on any backend (tests, CPU)
         return kernel(q, pool, window_idx, sinks, interpret=True)
     # Only where a GPU is the default backend: Pallas lowers a Triton kernel only there (a
     # program exported for CUDA from a CPU machine keeps the XLA path on every platform).
-    if blocks is None or jax.default_backend() != "gpu" or not sparse_decode_kernel.supported_on_gpu(q, **blocks):
+    if blocks is None or jax.default_backend() != "gpu" or not kernels.supported_on_gpu(q, **blocks):
         return None
     # Chosen when the program is lowered for its platform: the kernel on CUDA.
     return jax.lax.platform_dependent(q, pool, window_idx, sinks, cuda=kernel, default=xla)
@@ -193,14 +199,16 @@ def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, pre
     return map_query_blocks(block_fn, (q, window_idx, selection), (pool, sinks, entries), block)
 
 
-# Decode (one query per row, no attention masses) on CUDA may run `sparse_decode_kernel`: the
-# keys gathered inside one Pallas kernel instead of gathered copies and ~9 fusions. None: the
-# kernel on CUDA where it measured faster than this XLA path (`sparse_decode_kernel.default_blocks`:
-# one-row CSA and HCA decode), this path elsewhere and on every other backend; True: the kernel
-# on CUDA for every decode shape it takes; False: this path everywhere (A/B runs:
-# `bench/stack.py --no-decode-kernel` / `--decode-kernel`); "interpret": the kernel in interpret
-# mode on every backend (the CPU parity tests). Read at trace time.
+# Without attention masses, sparse attention on CUDA may run `sparse_attention_kernel`: each
+# query's keys gathered inside one Pallas kernel instead of gathered copies and ~9 fusions.
+# DECODE_KERNEL for one query per row, PREFILL_KERNEL for more. None: the kernel on CUDA where
+# it measured faster than this XLA path (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`), this
+# path elsewhere and on every other backend; True: the kernel on CUDA for every shape it takes;
+# False: this path everywhere (A/B runs: `bench/stack.py --no-decode-kernel` / `--decode-kernel`,
+# `--no-prefill-kernel` / `--prefill-kernel`); "interpret": the kernel in interpret mode on
+# every backend (the CPU parity tests). Read at trace time.
 DECODE_KERNEL: bool | str | None = None
+PREFILL_KERNEL: bool | str | None = None
 
 
 def _logits(dots: Array, scale: float) -> Array:

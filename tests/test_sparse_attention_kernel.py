@@ -1,7 +1,9 @@
-"""The Pallas sparse decode kernel against its XLA twin (`sparse_attention`'s XLA path).
+"""The Pallas sparse attention kernel against its XLA twin (`sparse_attention`'s XLA path).
 
 On the CPU the kernel runs in Pallas' interpret mode (the same kernel body, executed by XLA);
-on CUDA the Triton kernel itself runs (the GPU tests, skipped elsewhere). Float32 agrees
+on CUDA the Triton kernel itself runs (the GPU tests, skipped elsewhere). Decode (one query
+per row, key blocks split over programs and merged by `combine`) and prefill (S queries per
+row, one program per query and head block, the sink merged in the kernel). Float32 agrees
 within 2e-5; bf16 is compared with the float32 result, beside the XLA path's own bf16 error.
 """
 
@@ -13,30 +15,36 @@ import numpy as np
 import pytest
 
 from dsv4_jax import sparse_attention as sa
-from dsv4_jax import sparse_decode_kernel as sdk
+from dsv4_jax import sparse_attention_kernel as sak
 
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def decode_inputs(kind: str, b: int, h: int, d: int, w: int, t: int, k: int, dtype, seed: int = 0,
-                  starts=None):
-    """One decode query per row at position start_b (window partly empty for small starts)."""
+def query_inputs(kind: str, b: int, h: int, d: int, w: int, t: int, k: int, dtype, seed: int = 0,
+                 starts=None, s: int = 1):
+    """S queries per row at positions start_b .. start_b + S - 1 (the window partly empty for
+    small starts), their keys in the pool [B, W + S, D] as the layer builds it."""
     rng = np.random.default_rng(seed)
     starts = np.asarray(starts if starts is not None else rng.integers(0, 4 * w, b), np.int32)
-    q = jnp.asarray(rng.normal(size=(b, 1, h, d)), dtype)
-    pool = jnp.asarray(rng.normal(size=(b, w + 1, d)), dtype)
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)), dtype)
+    pool = jnp.asarray(rng.normal(size=(b, w + s, d)), dtype)
     sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
-    widx = sa.window_indices(jnp.asarray(starts[:, None]), jnp.asarray(starts), w)
+    positions = starts[:, None] + np.arange(s, dtype=np.int32)[None, :]
+    widx = sa.window_indices(jnp.asarray(positions), jnp.asarray(starts), w)
     kwargs = {}
     if kind != "sliding":
         kwargs["entries"] = jnp.asarray(rng.normal(size=(b, t, d)), dtype)
-    if kind == "csa":  # distinct picks per row, a random tail of -1 (fewer entries than k)
-        picks = np.stack([rng.permutation(t)[:k] for _ in range(b)]).astype(np.int32)
-        picks[np.arange(k)[None, :] >= rng.integers(1, k + 1, b)[:, None]] = -1
-        kwargs["picks"] = jnp.asarray(picks[:, None])
+    if kind == "csa":  # distinct picks per query, a random tail of -1 (fewer entries than k)
+        picks = np.stack([rng.permutation(t)[:k] for _ in range(b * s)]).astype(np.int32)
+        picks[np.arange(k)[None, :] >= rng.integers(1, k + 1, b * s)[:, None]] = -1
+        kwargs["picks"] = jnp.asarray(picks.reshape(b, s, k))
     elif kind == "hca":
-        kwargs["visible"] = jnp.asarray(rng.integers(0, t + 1, b)[:, None], jnp.int32)
+        kwargs["visible"] = jnp.asarray(rng.integers(0, t + 1, (b, s)), jnp.int32)
     return q, pool, widx, sinks, kwargs
+
+
+def decode_inputs(*args, **kwargs):
+    return query_inputs(*args, **kwargs, s=1)
 
 
 def _xla(q, pool, widx, sinks, kwargs):
@@ -51,21 +59,24 @@ def _xla(q, pool, widx, sinks, kwargs):
 
 def kernel_path(q, pool, widx, sinks, kwargs, **blocks):
     # Triton on CUDA where it takes the shapes (dots of >= 16 in every dimension), else interpret mode.
-    triton_ok = sdk.supported_on_gpu(q, blocks.get("block_heads", sdk.BLOCK_HEADS),
-                                     blocks.get("block_keys", sdk.BLOCK_KEYS))
+    triton_ok = sak.supported_on_gpu(q, **blocks)
     interpret = not (ON_GPU and triton_ok)
-    return np.asarray(sdk.sparse_decode_attention(q, pool, widx, sinks, interpret=interpret, **kwargs, **blocks),
+    return np.asarray(sak.sparse_attention_kernel(q, pool, widx, sinks, interpret=interpret, **kwargs, **blocks),
                       np.float32)
 
 
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("blocks", [dict(block_keys=4, block_heads=2, splits=1),
                                     dict(block_keys=4, block_heads=4, splits=3),
-                                    dict(block_keys=8, block_heads=4, splits=5)])
-def test_kernel_equals_the_xla_path_in_float32(kind, blocks):
-    # splits=5 with 3 window blocks and 3-4 entry blocks: some programs see no key at all.
-    q, pool, widx, sinks, kwargs = decode_inputs(kind, b=3, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32,
-                                                 starts=[0, 5, 40])
+                                    dict(block_keys=8, block_heads=4, splits=5),
+                                    dict(block_keys=8, block_heads=2)])
+@pytest.mark.parametrize("s", [1, 5], ids=["decode", "prefill"])
+def test_kernel_equals_the_xla_path_in_float32(kind, blocks, s):
+    # splits=5 with 3 window blocks and 3-4 entry blocks: some programs see no key at all;
+    # splits=1: the kernel merges the sink itself; prefill: the first queries of the row at
+    # position 0 see only part of their window.
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=3, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32,
+                                                starts=[0, 5, 40], s=s)
     got = kernel_path(q, pool, widx, sinks, kwargs, **blocks)
     want = _xla(q, pool, widx, sinks, kwargs)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
@@ -93,41 +104,53 @@ def test_bf16_kernel_is_as_close_to_float32_as_the_xla_path(kind):
     assert kernel_err <= max(2 * xla_err, 2 ** -7 * scale), (kernel_err, xla_err, scale)
 
 
-def test_the_cuda_default_is_one_row_csa_and_hca_decode():
-    # Where the kernel measured faster than the XLA path on the H200 (see default_blocks).
-    assert sdk.default_blocks("csa", 1) == {"block_keys": 16, "block_heads": 32}
-    assert sdk.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16}
-    assert sdk.default_blocks("csa", 32) is None and sdk.default_blocks("hca", 8) is None
-    assert sdk.default_blocks("sliding", 1) is None
+def test_the_cuda_default_table():
+    # Where the kernel measured faster than the XLA path on the H200 (see CUDA_DEFAULT_BLOCKS).
+    assert sak.default_blocks("csa", 1) == {"block_keys": 16, "block_heads": 32, "num_warps": 8}
+    assert sak.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16, "num_warps": 8}
+    assert sak.default_blocks("csa", 32) is None and sak.default_blocks("hca", 8) is None
+    assert sak.default_blocks("sliding", 1) is None
+    for (kind, phase, batch), chosen in sak.CUDA_DEFAULT_BLOCKS.items():
+        assert sak.default_blocks(kind, batch or 3, phase)["block_keys"] == chosen[0]
 
 
-@pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_the_default_blocks_equal_the_xla_path(kind, monkeypatch):
-    """The blocks the CUDA default uses, at a realistic window (128) and head count (32), in
+def _default_cases():
+    return [(kind, phase, batch) for kind, phase, batch in sak.CUDA_DEFAULT_BLOCKS]
+
+
+@pytest.mark.parametrize("kind, phase, batch", _default_cases())
+def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
+    """The blocks of each CUDA default, at a realistic window (128) and head count (32), in
     interpret mode; `sparse_attention` hands them to the kernel."""
-    q, pool, widx, sinks, kwargs = decode_inputs(kind, b=1, h=32, d=32, w=128, t=300, k=64, dtype=jnp.float32,
-                                                 starts=[1000])
+    b, s = batch or 2, 1 if phase == "decode" else 3
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=32, d=32, w=128, t=300, k=64, dtype=jnp.float32,
+                                                starts=[1000] * b, s=s)
     calls = []
-    real = sdk.sparse_decode_attention
-    monkeypatch.setattr(sdk, "sparse_decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
-    monkeypatch.setattr(sa, "DECODE_KERNEL", "interpret")
+    real = sak.sparse_attention_kernel
+    monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(sa, "DECODE_KERNEL" if phase == "decode" else "PREFILL_KERNEL", "interpret")
     got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs).o, np.float32)
-    assert {n: calls[-1][n] for n in ("block_keys", "block_heads")} == sdk.default_blocks(kind, 1)
+    assert {n: calls[-1][n] for n in ("block_keys", "block_heads", "num_warps")} == sak.default_blocks(kind, b, phase)
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
-def test_sparse_attention_chooses_the_kernel_only_where_asked(monkeypatch):
-    q, pool, widx, sinks, kwargs = decode_inputs("csa", b=1, h=4, d=8, w=4, t=6, k=3, dtype=jnp.float32)
+@pytest.mark.parametrize("s", [1, 4], ids=["decode", "prefill"])
+def test_sparse_attention_chooses_the_kernel_only_where_asked(s, monkeypatch):
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=1, h=4, d=8, w=4, t=6, k=3, dtype=jnp.float32, s=s)
+    switch, other = ("DECODE_KERNEL", "PREFILL_KERNEL") if s == 1 else ("PREFILL_KERNEL", "DECODE_KERNEL")
     calls = []
-    real = sdk.sparse_decode_attention
-    monkeypatch.setattr(sdk, "sparse_decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
-    monkeypatch.setattr(sa, "DECODE_KERNEL", "interpret")
+    real = sak.sparse_attention_kernel
+    monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(sa, other, "interpret")  # the other phase's switch does not reach this call
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs)
+    assert not calls
+    monkeypatch.setattr(sa, switch, "interpret")
     sa.sparse_attention(q, pool, widx, sinks, **kwargs)
     assert calls and calls[-1]["interpret"] is True
     calls.clear()
     sa.sparse_attention(q, pool, widx, sinks, **kwargs, with_mass=True)  # masses: the XLA path
     assert not calls
-    monkeypatch.setattr(sa, "DECODE_KERNEL", None)  # the default: shapes Triton cannot take stay on XLA
+    monkeypatch.setattr(sa, switch, None)  # the default: shapes Triton cannot take stay on XLA
     sa.sparse_attention(q, pool, widx, sinks, **kwargs)
     assert not calls
 
@@ -137,25 +160,26 @@ def test_a_cpu_machine_exports_the_decode_step_for_cuda_with_the_xla_path():
     # Shapes the kernel takes, in its CUDA default case (one-row HCA decode): Pallas lowers a
     # Triton kernel only on a GPU machine, so the export keeps the XLA path for every platform.
     q, pool, widx, sinks, kwargs = decode_inputs("hca", b=1, h=16, d=32, w=32, t=40, k=3, dtype=jnp.float32)
-    assert sdk.supported_on_gpu(q, **sdk.default_blocks("hca", 1))
+    assert sak.supported_on_gpu(q, **sak.default_blocks("hca", 1))
     fn = jax.jit(lambda *a: sa.sparse_attention(*a, **kwargs, precision=jax.lax.Precision.HIGHEST).o)
     exported = jax.export.export(fn, platforms=("cpu", "cuda"))(q, pool, widx, sinks)
-    assert "sparse_decode_attention" not in exported.mlir_module()
+    assert "xla.gpu.triton" not in exported.mlir_module()  # no Triton custom call
     np.testing.assert_allclose(np.asarray(exported.call(q, pool, widx, sinks), np.float32),
                                _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
-def test_golden_calls_with_decode_through_the_kernel(golden, layer, monkeypatch):
-    """Every golden call of the reference, the decode steps through the kernel (in interpret
-    mode: the golden configs' 4-8 heads are below Triton's 16), without intermediates (which
-    keep the XLA path)."""
+def test_golden_calls_through_the_kernel(golden, layer, monkeypatch):
+    """Every golden call of the reference, prefill chunks and decode steps through the kernel
+    (in interpret mode: the golden configs' 4-8 heads are below Triton's 16), without
+    intermediates (which keep the XLA path)."""
     from helpers import golden_layer, rel_err
 
     monkeypatch.setattr(sa, "DECODE_KERNEL", "interpret")
+    monkeypatch.setattr(sa, "PREFILL_KERNEL", "interpret")
     traced = []
-    real = sdk.sparse_decode_attention
-    monkeypatch.setattr(sdk, "sparse_decode_attention", lambda *a, **k: traced.append(1) or real(*a, **k))
+    real = sak.sparse_attention_kernel
+    monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: traced.append(1) or real(*a, **k))
     jax.clear_caches()  # the switch is read when tracing; jax shares traces between jits of a function
     try:
         attn = golden_layer(golden, layer, break_mode="none")
@@ -174,16 +198,16 @@ def test_golden_calls_with_decode_through_the_kernel(golden, layer, monkeypatch)
 
 @pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-@pytest.mark.parametrize("b", [1, 32])
-@pytest.mark.parametrize("which", ["kernel_default", "cuda_default"])
-def test_triton_kernel_at_flash_sizes(kind, b, which):
+@pytest.mark.parametrize("phase, b, s", [("decode", 1, 1), ("decode", 32, 1), ("prefill", 1, 256), ("prefill", 2, 64)])
+@pytest.mark.parametrize("which", ["forced", "cuda_default"])
+def test_triton_kernel_at_flash_sizes(kind, phase, b, s, which):
     """V4-Flash shapes: 64 heads of 512, window 128, top-512 of 4k entries (CSA), 129 (HCA);
-    the kernel's own blocks, and the CUDA default's where it has some."""
-    blocks = {} if which == "kernel_default" else sdk.default_blocks(kind, b)
+    the blocks of a forced kernel, and the CUDA default's where it has some."""
+    blocks = sak.forced_blocks(phase) if which == "forced" else sak.default_blocks(kind, b, phase)
     if blocks is None:
         pytest.skip("the XLA path is the CUDA default here")
     t = 4096 if kind == "csa" else 129
-    q, pool, widx, sinks, kwargs = decode_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32)
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32, s=s)
     np.testing.assert_allclose(kernel_path(q, pool, widx, sinks, kwargs, **blocks),
                                _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
     q16, pool16 = q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16)
@@ -192,13 +216,13 @@ def test_triton_kernel_at_flash_sizes(kind, b, which):
                  {n: (v.astype(jnp.float32) if n == "entries" else v) for n, v in kw16.items()})
     kernel_err = np.abs(kernel_path(q16, pool16, widx, sinks, kw16, **blocks) - exact).max()
     xla_err = np.abs(_xla(q16, pool16, widx, sinks, kw16) - exact).max()
-    print(f"bf16 {kind} B={b} {which}: kernel {kernel_err:.2e}, XLA path {xla_err:.2e} "
+    print(f"bf16 {kind} {phase} B={b} S={s} {which} {blocks}: kernel {kernel_err:.2e}, XLA path {xla_err:.2e} "
           f"(max |o| {np.abs(exact).max():.2f})")
     assert kernel_err <= max(2 * xla_err, 2 ** -7 * np.abs(exact).max())
 
 
 def test_the_benchmark_runs_and_agrees(tmp_path):
-    """bench/decode_kernel.py --quick (interpret mode off the GPU): every kernel row timed and
+    """bench/decode_kernel.py --quick, decode and prefill (interpret mode off the GPU): every kernel row timed and
     within bf16 rounding of the XLA path (timings are the benchmark's, not asserted)."""
     import json
     import sys
@@ -210,10 +234,11 @@ def test_the_benchmark_runs_and_agrees(tmp_path):
     from bench import decode_kernel
 
     out = tmp_path / "decode_kernel.json"
-    assert decode_kernel.main(["--quick", "--json", str(out)]) == 0
+    assert decode_kernel.main(["--quick", "--phases", "decode,prefill", "--json", str(out)]) == 0
     records = json.loads(out.read_text())["records"]
     kernels = [r for r in records if r["impl"].startswith("kernel")]
-    assert len(kernels) == 4 and len(records) == 8  # CSA and HCA, B = 1 and 32, XLA and one kernel
+    # CSA and HCA: decode at B = 1 and 32, one prefill; each by XLA and one kernel
+    assert len(kernels) == 6 and len(records) == 12
     for r in kernels:
         assert "error" not in r, r
         assert r["op_us"] > 0 and r["max_abs_diff"] <= 2 ** -6 * r["out_max"], r

@@ -1,0 +1,270 @@
+"""Sparse attention as one Pallas kernel: each query's keys gathered inside it (issue 9).
+
+The XLA path (`sparse_attention._xla_path`) gathers every query's keys into [B, s, W + K, D]
+arrays (a copy of 640 keys per query in CSA), then runs the logits, the softmax with the sink
+and the weighted sum as separate fusions over those copies. Here one `pallas_call` (Triton
+backend on the GPU; `interpret=True` runs the same kernel on any backend, which is how the
+CPU tests run it) reads each key straight from its source by index and keeps an online
+softmax (flash decoding), for decode and prefill alike: every query is a row of its own,
+R = B * S rows, and row r reads the sources of batch row r // S.
+
+    grid (R, H / bh, splits); program (r, h, j) owns heads h*bh .. h*bh+bh-1 of query row r
+    and the key blocks j, j + splits, ... of its window (from the pool) and then of its entries
+    q      [bh, D]        this program's queries
+    k      [bk, D]        one block of keys, `src[r // S, idx]` (a gather inside the kernel)
+    s      [bh, bk]       float32 logits, -inf where idx = -1
+    acc    [bh, D]        float32 sum of exp(s - m) k over the program's keys
+    m, total [bh]         running max and sum of exp(s - m)
+
+With one split (prefill: R alone fills the GPU) the program merges the sink itself and writes
+the output in the compute dtype; with several (decode at small B) it writes its float32
+partials and one small XLA fusion merges the splits with the sink (`combine`). K = V (each key
+is its own value), as everywhere in this layer.
+
+Numerics follow the XLA path: the logits are rounded to the compute dtype before the scale
+(the reference's order), probabilities go to the compute dtype for the weighted sum, which
+accumulates in float32. The difference: the XLA path normalises the probabilities before that
+cast, the kernel after the sum (flash decoding), so bf16 results differ in the last bits;
+float32 agrees within 2e-5 (`tests/test_sparse_attention_kernel.py`).
+
+No attention masses (they keep the XLA path). `sparse_attention` chooses this kernel on CUDA
+where it measured faster (`default_blocks`; `DECODE_KERNEL` / `PREFILL_KERNEL` there force
+either path) and keeps the XLA path as the reference and for every other backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .backend import Array
+
+# Keys per block and heads per program (Triton's dot needs every dimension >= 16 and a power
+# of two); `splits` spreads a row's key blocks over programs when R * H / bh alone would leave
+# most of the GPU's 132 SMs idle.
+BLOCK_KEYS = 32
+BLOCK_HEADS = 32
+TARGET_PROGRAMS = 132
+NUM_WARPS = 8
+
+# Where the kernel is the CUDA default, and with which (block_keys, block_heads, num_warps),
+# keyed by (layer kind, phase, batch) with batch None for every batch: the cases it beat the
+# XLA path in, on the operation alone (bench/decode_kernel.py, H200, V4-Flash bf16,
+# bench/results/h200_decode_kernel_blocks_2026-12-01.json, us per op):
+#   CSA B = 1:  24.7 (bk 16, bh 32) against 28.9     HCA B = 1:  20.2 (bk 32, bh 16) against 30.3
+#   CSA B = 32: 58.6 at best against 56.8            HCA B = 32: 37.7 at best against 31.7
+# so one-row decode only; decode batches keep the XLA path (its gathers are amortised over the
+# rows, and the kernel's per-program loop is not). Sliding layers (window only) and prefill
+# were not measured: the XLA path.
+CUDA_DEFAULT_BLOCKS = {("csa", "decode", 1): (16, 32, NUM_WARPS), ("hca", "decode", 1): (32, 16, NUM_WARPS)}
+
+# The blocks a forced kernel (`DECODE_KERNEL` / `PREFILL_KERNEL` = True) uses where the table
+# has none.
+FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS), "prefill": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS)}
+
+
+def phase_of(q: Array) -> str:
+    """"decode" for one query per row, else "prefill"."""
+    return "decode" if q.shape[1] == 1 else "prefill"
+
+
+def default_blocks(kind: str, batch: int, phase: str = "decode") -> dict | None:
+    """The kernel's blocks where it is the CUDA default for this layer kind ("csa", "hca",
+    "sliding"), phase ("decode", "prefill") and batch, else None (the XLA path)."""
+    chosen = CUDA_DEFAULT_BLOCKS.get((kind, phase, batch), CUDA_DEFAULT_BLOCKS.get((kind, phase, None)))
+    return None if chosen is None else _as_blocks(chosen)
+
+
+def forced_blocks(phase: str) -> dict:
+    return _as_blocks(FORCED_BLOCKS[phase])
+
+
+def _as_blocks(chosen) -> dict:
+    return {"block_keys": chosen[0], "block_heads": chosen[1], "num_warps": chosen[2]}
+
+
+def supported_on_gpu(q: Array, block_heads: int = BLOCK_HEADS, block_keys: int = BLOCK_KEYS, **_) -> bool:
+    """Whether the Triton kernel takes these shapes: q [B, S, H, D] with H a multiple of the
+    head block, D a power of two, every dot dimension >= 16."""
+    h, d = q.shape[2:]
+    bh = min(block_heads, h)
+
+    def pow2(n):
+        return n >= 16 and n & (n - 1) == 0
+
+    return h % bh == 0 and pow2(bh) and pow2(d) and pow2(block_keys)
+
+
+def _pad_indices(idx: Array, block: int) -> Array:
+    """[R, L] int32 -> [R, ceil(L / block) * block], padded with -1 (no key)."""
+    pad = -idx.shape[1] % block
+    return jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1) if pad else idx
+
+
+def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: int, n_window: int,
+            n_entries: int, dtype, finish: bool):
+    refs = list(refs)
+    widx_ref = refs.pop(0)
+    eidx_ref = refs.pop(0) if n_entries else None
+    q_ref, pool_ref = refs.pop(0), refs.pop(0)
+    ents_ref = refs.pop(0) if n_entries else None
+    sink_ref = refs.pop(0) if finish else None
+    out_refs = refs
+    r, j = pl.program_id(0), pl.program_id(2)
+    src = r // rows_per_source
+    q = q_ref[...]  # [bh, D]
+    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32 for float32
+
+    def key_block(src_ref, idx_ref, blk, carry):
+        acc, m, total = carry
+        idx = idx_ref[r, pl.ds(blk * block_keys, block_keys)]  # [bk]
+        k = src_ref[src, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D], gathered by index
+        dots = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=exact,
+                                   preferred_element_type=jnp.float32)
+        s = (dots.astype(dtype) * scale).astype(jnp.float32)  # the reference's rounding order
+        s = jnp.where((idx >= 0)[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: keep exp() finite
+        alpha = jnp.exp(m - shift)
+        p = jnp.exp(s - shift[:, None])
+        acc = acc * alpha[:, None] + jax.lax.dot_general(
+            p.astype(dtype), k, (((1,), (0,)), ((), ())), precision=exact, preferred_element_type=jnp.float32)
+        return acc, m_new, total * alpha + jnp.sum(p, axis=1)
+
+    def loop(src_ref, idx_ref, n_blocks, carry):
+        count = jnp.maximum(0, (n_blocks - j + splits - 1) // splits)
+        return jax.lax.fori_loop(0, count, lambda i, c: key_block(src_ref, idx_ref, j + i * splits, c), carry)
+
+    bh, d = q.shape
+    carry = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32))
+    carry = loop(pool_ref, widx_ref, n_window, carry)
+    if n_entries:
+        carry = loop(ents_ref, eidx_ref, n_entries, carry)
+    if finish:  # one split: merge the sink here, as `combine` does for one split
+        acc, m, total = carry
+        sink = sink_ref[...]
+        top = jnp.maximum(m, sink)
+        w = jnp.exp(m - top)
+        den = total * w + jnp.exp(sink - top)
+        out_refs[0][...] = ((acc * w[:, None]) / den[:, None]).astype(out_refs[0].dtype)
+    else:
+        out_refs[0][...], out_refs[1][...], out_refs[2][...] = carry
+
+
+def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, block_keys, block_heads,
+          num_warps, splits, interpret):
+    """The pallas_call: `partials` (sinks None) or the finished output (sinks given, one split)."""
+    r, h, d = q.shape
+    bh = min(block_heads, h)
+    widx = _pad_indices(window_idx.astype(jnp.int32), block_keys)
+    n_window = widx.shape[1] // block_keys
+    eidx = None if entries is None else _pad_indices(entry_idx.astype(jnp.int32), block_keys)
+    n_entries = 0 if eidx is None else eidx.shape[1] // block_keys
+    finish = sinks is not None
+    kernel = functools.partial(_kernel, scale=d ** -0.5, block_keys=block_keys, splits=splits,
+                               rows_per_source=rows_per_source, n_window=n_window, n_entries=n_entries,
+                               dtype=q.dtype, finish=finish)
+    whole = pl.no_block_spec
+    in_specs = [whole] + ([whole] if n_entries else []) + [
+        pl.BlockSpec((None, bh, d), lambda i, g, s: (i, g, 0)), whole] + ([whole] if n_entries else [])
+    args = [widx] + ([eidx] if n_entries else []) + [q, pool] + ([entries] if n_entries else [])
+    if finish:
+        in_specs.append(pl.BlockSpec((bh,), lambda i, g, s: (g,)))
+        args.append(sinks.astype(jnp.float32))
+        out_specs = pl.BlockSpec((None, bh, d), lambda i, g, s: (i, g, 0))
+        out_shape = jax.ShapeDtypeStruct((r, h, d), q.dtype)
+    else:
+        out_specs = [pl.BlockSpec((None, None, bh, d), lambda i, g, s: (i, s, g, 0)),
+                     pl.BlockSpec((None, None, bh), lambda i, g, s: (i, s, g)),
+                     pl.BlockSpec((None, None, bh), lambda i, g, s: (i, s, g))]
+        out_shape = [jax.ShapeDtypeStruct((r, splits, h, d), jnp.float32),
+                     jax.ShapeDtypeStruct((r, splits, h), jnp.float32),
+                     jax.ShapeDtypeStruct((r, splits, h), jnp.float32)]
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)
+    return pl.pallas_call(
+        kernel,
+        grid=(r, h // bh, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name="sparse_attention_kernel",
+        **extra,
+    )(*args)
+
+
+def partials(q: Array, pool: Array, window_idx: Array, entries: Array | None, entry_idx: Array | None, *,
+             rows_per_source: int = 1, block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
+             num_warps: int = NUM_WARPS, splits: int | None = None, interpret: bool = False):
+    """The kernel with its key blocks split over programs: per split, the un-normalised output
+    and its softmax statistics.
+
+    q [R, H, D] (R query rows; row r reads the sources' row r // rows_per_source);
+    pool [R / rows_per_source, P, D] with window_idx [R, W] (-1 = no key); entries
+    [R / rows_per_source, T, D] with entry_idx [R, K] (-1 = no key), or both None (sliding).
+    Returns acc [R, splits, H, D] float32, m [R, splits, H] float32 (-inf: the split saw no
+    key), total [R, splits, H] float32 (the sum of exp(s - m)).
+    """
+    if splits is None:
+        splits = default_splits(q, window_idx, entry_idx, block_keys, block_heads)
+    return _call(q, pool, window_idx, entries, entry_idx, None, rows_per_source=rows_per_source,
+                 block_keys=block_keys, block_heads=block_heads, num_warps=num_warps, splits=splits,
+                 interpret=interpret)
+
+
+def default_splits(q: Array, window_idx: Array, entry_idx: Array | None, block_keys: int, block_heads: int) -> int:
+    """Enough splits of the key blocks to give the GPU ~TARGET_PROGRAMS programs (1 when the
+    rows and head blocks already do)."""
+    r, h, _ = q.shape
+    n_keys = max(window_idx.shape[1], 0 if entry_idx is None else entry_idx.shape[1])
+    return max(1, min(-(-n_keys // block_keys), TARGET_PROGRAMS // (r * (h // min(block_heads, h)))))
+
+
+def combine(acc: Array, m: Array, total: Array, sinks: Array, dtype) -> Array:
+    """Merge the splits and the sink: [R, splits, H, D], [R, splits, H] x2, sinks [H] -> [R, H, D].
+
+    The sink's logit joins the softmax denominator only (its value vector is zero)."""
+    sink = sinks.astype(jnp.float32)[None, :]
+    top = jnp.maximum(jnp.max(m, axis=1), sink)  # [R, H]: finite, the sink is
+    w = jnp.exp(m - top[:, None])  # [R, splits, H]; 0 for a split with no key
+    num = jnp.sum(acc * w[..., None], axis=1)
+    den = jnp.sum(total * w, axis=1) + jnp.exp(sink - top)
+    return (num / den[..., None]).astype(dtype)
+
+
+def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Array, *,
+                            entries: Array | None = None, picks: Array | None = None,
+                            visible: Array | None = None, interpret: bool = False,
+                            block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
+                            num_warps: int = NUM_WARPS, splits: int | None = None) -> Array:
+    """`sparse_attention` by the kernel (no attention masses): the same arguments.
+
+    q [B, S, H, D], pool [B, W+S, D], window_idx [B, S, W], sinks [H]; entries [B, T, D] with
+    picks [B, S, K] (CSA) or visible [B, S] (HCA: entries w < visible), or neither (sliding).
+    Returns o [B, S, H, D] in q's dtype.
+    """
+    b, s, h, d = q.shape
+    entry_idx = None
+    if entries is not None and picks is not None:
+        entry_idx = picks.reshape(b * s, -1)
+    elif entries is not None:
+        w = jnp.arange(entries.shape[1], dtype=jnp.int32)[None, :]
+        entry_idx = jnp.where(w < visible.reshape(b * s, 1), w, -1)
+    rows = q.reshape(b * s, h, d)
+    widx = window_idx.reshape(b * s, -1)
+    if splits is None:
+        splits = default_splits(rows, widx, entry_idx, block_keys, block_heads)
+    blocks = dict(rows_per_source=s, block_keys=block_keys, block_heads=block_heads, num_warps=num_warps,
+                  splits=splits, interpret=interpret)
+    if splits == 1:
+        o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks)
+    else:
+        o = combine(*_call(rows, pool, widx, entries, entry_idx, None, **blocks), sinks, q.dtype)
+    return o.reshape(b, s, h, d)
