@@ -38,9 +38,9 @@ from dsv4_jax import sparse_attention as sa  # noqa: E402
 from dsv4_jax import sparse_attention_kernel as sak  # noqa: E402
 
 CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # decode: (block_keys, block_heads)
-# prefill: (block_keys, block_heads, num_warps): one program per query and head block
-PREFILL_CONFIGS = ((32, 32, 8), (16, 32, 4), (32, 32, 4), (64, 32, 8), (32, 64, 8), (16, 64, 8), (32, 64, 16),
-                   (32, 16, 4))
+# prefill: (block_keys, block_heads, num_warps, num_stages): one program per query and head block
+PREFILL_CONFIGS = ((32, 32, 4, 1), (32, 32, 4, 2), (32, 32, 4, 3), (32, 32, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2),
+                   (16, 32, 4, 2), (16, 32, 4, 3), (32, 64, 8, 2), (32, 16, 4, 2), (64, 16, 4, 2), (16, 16, 4, 3))
 
 
 FLASH = dict(h=64, d=512, w=128, t_csa=4096, k=512, t_hca=129, context=16384)
@@ -131,11 +131,11 @@ def run(args) -> list:
         for kind in args.kinds.split(","):
             if phase == "decode":
                 for b in (int(v) for v in args.batches.split(",")):
-                    configs = ((16, 16, 4),) if args.quick else tuple((*c, sak.NUM_WARPS) for c in CONFIGS)
+                    configs = ((16, 16, 4, 1),) if args.quick else tuple((*c, sak.NUM_WARPS, 1) for c in CONFIGS)
                     cases.append((phase, kind, b, lambda kind=kind, b=b: inputs(kind, b, **shapes), configs, args.reps))
             else:
                 length = 64 if args.quick else args.prefill_len
-                configs = ((16, 16, 4),) if args.quick else PREFILL_CONFIGS
+                configs = ((16, 16, 4, 2),) if args.quick else PREFILL_CONFIGS
                 cases.append((phase, kind, 1, lambda kind=kind, length=length: prefill_inputs(
                     kind, 1, length=length, **shapes), configs, max(1, args.reps // 4)))
     for phase, kind, b, make, configs, reps in cases:
@@ -145,17 +145,17 @@ def run(args) -> list:
         us, ref = timed(functools.partial(xla_op, data=data), q, reps, args.repeats)
         records.append({**base, "impl": "xla", "op_us": us})
         print(f"{phase} {kind} B={b} xla: {us:.1f} us", flush=True)
-        for bk, bh, warps in configs:
+        for bk, bh, warps, stages in configs:
             kernel = functools.partial(kernel_op, data=data, block_keys=bk, block_heads=bh, num_warps=warps,
-                                       interpret=interpret)
+                                       num_stages=stages, interpret=interpret)
             try:
                 us, got = timed(kernel, q, reps, args.repeats)
                 rec = {"op_us": us, "max_abs_diff": float(np.abs(got - ref).max()),
                        "out_max": float(np.abs(ref).max())}
             except Exception as err:  # a record says why a configuration did not run
                 rec = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-            records.append({**base, "impl": f"kernel bk={bk} bh={bh} w={warps}", **rec})
-            print(f"{phase} {kind} B={b} kernel bk={bk} bh={bh} w={warps}: {rec}", flush=True)
+            records.append({**base, "impl": f"kernel bk={bk} bh={bh} w={warps} st={stages}", **rec})
+            print(f"{phase} {kind} B={b} kernel bk={bk} bh={bh} w={warps} st={stages}: {rec}", flush=True)
         del q, pool, widx, kw, data, ref
     return records
 
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         return report.render(args.render, markdown)
     meta = {"environment": environment(), "reps": args.reps, "repeats": args.repeats, "quick": args.quick,
             "configs": CONFIGS, "prefill_configs": PREFILL_CONFIGS,
-            "kernel_defaults": [sak.BLOCK_KEYS, sak.BLOCK_HEADS, sak.NUM_WARPS],
+            "kernel_defaults": [sak.BLOCK_KEYS, sak.BLOCK_HEADS, sak.NUM_WARPS, sak.NUM_STAGES],
             "interpret": jax.default_backend() != "gpu"}
     records = run(args)
     if args.json:

@@ -6,7 +6,7 @@
 # (4k, 16k; CSA x4, HCA x4) in one machine: ORDER (default "kernel xla kernel"): "kernel" =
 # --prefill-kernel with the fastest blocks of the operation's sweep, "xla" = --no-prefill-kernel,
 # "default" = the package's default; a profile of the CSA prefill in the first run. TESTS=0
-# skips the tests; MICRO=0 the sweep (then BLOCKS=bk,bh,warps or the kernel's forced blocks).
+# skips the tests; MICRO=0 the sweep (then BLOCKS=bk,bh,warps,stages or the kernel's forced blocks).
 #                                                    device run:  bash bench/gpu_prefill_kernel.sh
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9

@@ -49,8 +49,9 @@ BLOCK_KEYS = 32
 BLOCK_HEADS = 32
 TARGET_PROGRAMS = 132
 NUM_WARPS = 8
+NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gathered loads)
 
-# Where the kernel is the CUDA default, and with which (block_keys, block_heads, num_warps),
+# Where the kernel is the CUDA default, and with which (block_keys, block_heads, num_warps, num_stages),
 # keyed by (layer kind, phase, batch) with batch None for every batch: the cases it beat the
 # XLA path in, on the operation alone (bench/decode_kernel.py, H200, V4-Flash bf16,
 # bench/results/h200_decode_kernel_blocks_2026-12-01.json, us per op):
@@ -59,11 +60,12 @@ NUM_WARPS = 8
 # so one-row decode only; decode batches keep the XLA path (its gathers are amortised over the
 # rows, and the kernel's per-program loop is not). Sliding layers (window only) and prefill
 # were not measured: the XLA path.
-CUDA_DEFAULT_BLOCKS = {("csa", "decode", 1): (16, 32, NUM_WARPS), ("hca", "decode", 1): (32, 16, NUM_WARPS)}
+CUDA_DEFAULT_BLOCKS = {("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1)}
 
 # The blocks a forced kernel (`DECODE_KERNEL` / `PREFILL_KERNEL` = True) uses where the table
 # has none.
-FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS), "prefill": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS)}
+FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES),
+                 "prefill": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES)}
 
 
 def phase_of(q: Array) -> str:
@@ -83,7 +85,7 @@ def forced_blocks(phase: str) -> dict:
 
 
 def _as_blocks(chosen) -> dict:
-    return {"block_keys": chosen[0], "block_heads": chosen[1], "num_warps": chosen[2]}
+    return dict(zip(("block_keys", "block_heads", "num_warps", "num_stages"), chosen, strict=True))
 
 
 def supported_on_gpu(q: Array, block_heads: int = BLOCK_HEADS, block_keys: int = BLOCK_KEYS, **_) -> bool:
@@ -135,7 +137,8 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
         return acc, m_new, total * alpha + jnp.sum(p, axis=1)
 
     def loop(src_ref, idx_ref, n_blocks, carry):
-        count = jnp.maximum(0, (n_blocks - j + splits - 1) // splits)
+        # One split (prefill): a static trip count, which Triton's pipeliner handles best.
+        count = n_blocks if splits == 1 else jnp.maximum(0, (n_blocks - j + splits - 1) // splits)
         return jax.lax.fori_loop(0, count, lambda i, c: key_block(src_ref, idx_ref, j + i * splits, c), carry)
 
     bh, d = q.shape
@@ -155,7 +158,7 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
 
 
 def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, block_keys, block_heads,
-          num_warps, splits, interpret):
+          num_warps, num_stages, splits, interpret):
     """The pallas_call: `partials` (sinks None) or the finished output (sinks given, one split)."""
     r, h, d = q.shape
     bh = min(block_heads, h)
@@ -187,7 +190,7 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
 
-        extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)
+        extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     return pl.pallas_call(
         kernel,
         grid=(r, h // bh, splits),
@@ -202,7 +205,8 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
 
 def partials(q: Array, pool: Array, window_idx: Array, entries: Array | None, entry_idx: Array | None, *,
              rows_per_source: int = 1, block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
-             num_warps: int = NUM_WARPS, splits: int | None = None, interpret: bool = False):
+             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, splits: int | None = None,
+             interpret: bool = False):
     """The kernel with its key blocks split over programs: per split, the un-normalised output
     and its softmax statistics.
 
@@ -215,8 +219,8 @@ def partials(q: Array, pool: Array, window_idx: Array, entries: Array | None, en
     if splits is None:
         splits = default_splits(q, window_idx, entry_idx, block_keys, block_heads)
     return _call(q, pool, window_idx, entries, entry_idx, None, rows_per_source=rows_per_source,
-                 block_keys=block_keys, block_heads=block_heads, num_warps=num_warps, splits=splits,
-                 interpret=interpret)
+                 block_keys=block_keys, block_heads=block_heads, num_warps=num_warps, num_stages=num_stages,
+                 splits=splits, interpret=interpret)
 
 
 def default_splits(q: Array, window_idx: Array, entry_idx: Array | None, block_keys: int, block_heads: int) -> int:
@@ -243,7 +247,8 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                             entries: Array | None = None, picks: Array | None = None,
                             visible: Array | None = None, interpret: bool = False,
                             block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
-                            num_warps: int = NUM_WARPS, splits: int | None = None) -> Array:
+                            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                            splits: int | None = None) -> Array:
     """`sparse_attention` by the kernel (no attention masses): the same arguments.
 
     q [B, S, H, D], pool [B, W+S, D], window_idx [B, S, W], sinks [H]; entries [B, T, D] with
@@ -262,7 +267,7 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
     if splits is None:
         splits = default_splits(rows, widx, entry_idx, block_keys, block_heads)
     blocks = dict(rows_per_source=s, block_keys=block_keys, block_heads=block_heads, num_warps=num_warps,
-                  splits=splits, interpret=interpret)
+                  num_stages=num_stages, splits=splits, interpret=interpret)
     if splits == 1:
         o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks)
     else:

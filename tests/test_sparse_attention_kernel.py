@@ -106,8 +106,8 @@ def test_bf16_kernel_is_as_close_to_float32_as_the_xla_path(kind):
 
 def test_the_cuda_default_table():
     # Where the kernel measured faster than the XLA path on the H200 (see CUDA_DEFAULT_BLOCKS).
-    assert sak.default_blocks("csa", 1) == {"block_keys": 16, "block_heads": 32, "num_warps": 8}
-    assert sak.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16, "num_warps": 8}
+    assert sak.default_blocks("csa", 1) == {"block_keys": 16, "block_heads": 32, "num_warps": 8, "num_stages": 1}
+    assert sak.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16, "num_warps": 8, "num_stages": 1}
     assert sak.default_blocks("csa", 32) is None and sak.default_blocks("hca", 8) is None
     assert sak.default_blocks("sliding", 1) is None
     for (kind, phase, batch), chosen in sak.CUDA_DEFAULT_BLOCKS.items():
@@ -130,7 +130,8 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
     monkeypatch.setattr(sa, "DECODE_KERNEL" if phase == "decode" else "PREFILL_KERNEL", "interpret")
     got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs).o, np.float32)
-    assert {n: calls[-1][n] for n in ("block_keys", "block_heads", "num_warps")} == sak.default_blocks(kind, b, phase)
+    assert {n: calls[-1][n] for n in ("block_keys", "block_heads", "num_warps", "num_stages")} == \
+        sak.default_blocks(kind, b, phase)
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
