@@ -39,8 +39,9 @@ from dsv4_jax import sparse_attention_kernel as sak  # noqa: E402
 
 CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # decode: (block_keys, block_heads)
 # prefill: (block_keys, block_heads, num_warps, num_stages): one program per query and head block
-PREFILL_CONFIGS = ((32, 32, 4, 1), (32, 32, 4, 2), (32, 32, 4, 3), (32, 32, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2),
-                   (16, 32, 4, 2), (16, 32, 4, 3), (32, 64, 8, 2), (32, 16, 4, 2), (64, 16, 4, 2), (16, 16, 4, 3))
+PREFILL_CONFIGS = ((64, 32, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2), (128, 32, 8, 2),
+                   (64, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2), (64, 16, 4, 3))
+# The sweeps before: results/h200_prefill_kernel_blocks{1,2}_2026-12-01.json (their `prefill_configs`).
 
 
 FLASH = dict(h=64, d=512, w=128, t_csa=4096, k=512, t_hca=129, context=16384)

@@ -7,6 +7,7 @@
 # --prefill-kernel with the fastest blocks of the operation's sweep, "xla" = --no-prefill-kernel,
 # "default" = the package's default; a profile of the CSA prefill in the first run. TESTS=0
 # skips the tests; MICRO=0 the sweep (then BLOCKS=bk,bh,warps,stages or the kernel's forced blocks).
+# DECODE_AB=1 adds one-row decode stacks (16k): the package default, then --no-decode-kernel.
 #                                                    device run:  bash bench/gpu_prefill_kernel.sh
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -57,5 +58,13 @@ for tag in ${ORDER-kernel xla kernel}; do
     (cd /tmp/pk_dump 2>/dev/null && tar czf "$OUT/logs/thunks.tar.gz" $(ls | grep thunk_sequence_after_thunk_passes)) || true
   fi
 done
+if [ "${DECODE_AB:-0}" = 1 ]; then
+  for tag in default xla; do
+    extra=""; [ "$tag" = xla ] && extra="--no-decode-kernel"
+    timeout ${STACK_TIMEOUT:-150} python3 bench/stack.py --size flash --scenarios stack_decode --stacks csa,hca \
+      --batches 1 --contexts 16384 $extra --json "$OUT/logs/h200_stack_decode_$tag.json" >"$OUT/logs/decode_$tag.log" 2>&1
+    echo "decode $tag rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_decode\|Error" "$OUT/logs/decode_$tag.log" | head -4
+  done
+fi
 (cd "$OUT" && tar czf logs.tar.gz logs && rm -rf logs)
 echo "total: $(( $(date +%s) - t0 )) s"

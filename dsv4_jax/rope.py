@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from .backend import Array, namespace
@@ -61,13 +62,20 @@ def attention_factor(cfg: DeepseekV4Config, kind: str) -> float:
     return 1.0
 
 
-def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = False, scale: float = 1.0) -> Array:
+def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = False, scale: float = 1.0,
+               in_place: bool = False) -> Array:
     """Rotate the trailing ``2 * len(freqs)`` channels of `x` by ``positions * freqs``.
 
     x:         [..., D]
     positions: integer, broadcastable to ``x.shape[:-1]`` (e.g. [B, S, 1] for [B, S, H, D])
     freqs:     float32 [rd/2]
     inverse:   rotate by the negative angle (undo the rotation; used on the attention output)
+    in_place:  under JAX, write the rotated channels into x (an update of x's trailing channels,
+               which XLA does in x's buffer where x is not used again) instead of concatenating
+               a new [..., D] array: for the large [B, S, H, D] queries and attention output,
+               whose copy costs a pass over every query in a prefill. Not where the result feeds
+               a scatter: XLA's CPU backend (jax 0.10.2 and 0.12) fuses that update into the
+               scatter's operand wrongly (scripts/xla_cpu_update_scatter_repro.py).
 
     The angle is float32(position) * float32(freq); cos/sin are rounded to `x.dtype` (HF
     builds its tables in the activation dtype) and the rotation itself runs in float32.
@@ -84,4 +92,6 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = xp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
     rotated = rotated.reshape(rot.shape).astype(x.dtype)
+    if in_place and xp is jnp:
+        return jnp.asarray(x).at[..., x.shape[-1] - 2 * half :].set(rotated)
     return xp.concatenate([nope, rotated], axis=-1)
