@@ -31,6 +31,15 @@ def namespace(*arrays: Array):
     return np
 
 
+def in_place_updates() -> bool:
+    """Whether large arrays get small updates in place (`.at[..].set`) instead of a concatenated
+    copy: where a GPU is the default backend (read at trace time; the values are the same
+    either way). Not on the CPU: XLA's CPU backend (jax 0.10.2, 0.12) miscompiles such an update
+    where it feeds a scatter or a Pallas kernel in interpret mode
+    (scripts/xla_cpu_update_scatter_repro.py)."""
+    return jax.default_backend() == "gpu"
+
+
 def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 

@@ -72,10 +72,9 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     inverse:   rotate by the negative angle (undo the rotation; used on the attention output)
     in_place:  under JAX, write the rotated channels into x (an update of x's trailing channels,
                which XLA does in x's buffer where x is not used again) instead of concatenating
-               a new [..., D] array: for the large [B, S, H, D] queries and attention output,
-               whose copy costs a pass over every query in a prefill. Not where the result feeds
-               a scatter: XLA's CPU backend (jax 0.10.2 and 0.12) fuses that update into the
-               scatter's operand wrongly (scripts/xla_cpu_update_scatter_repro.py).
+               a new [..., D] array: for the large [B, S, H, D] queries and attention output on
+               the GPU (`backend.in_place_updates`), whose copy costs a pass over every query
+               in a prefill. Same values either way.
 
     The angle is float32(position) * float32(freq); cos/sin are rounded to `x.dtype` (HF
     builds its tables in the activation dtype) and the rotation itself runs in float32.

@@ -53,19 +53,25 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 
 # Where the kernel is the CUDA default, and with which (block_keys, block_heads, num_warps, num_stages),
 # keyed by (layer kind, phase, batch) with batch None for every batch: the cases it beat the
-# XLA path in, on the operation alone (bench/decode_kernel.py, H200, V4-Flash bf16,
-# bench/results/h200_decode_kernel_blocks_2026-12-01.json, us per op):
-#   CSA B = 1:  24.7 (bk 16, bh 32) against 28.9     HCA B = 1:  20.2 (bk 32, bh 16) against 30.3
-#   CSA B = 32: 58.6 at best against 56.8            HCA B = 32: 37.7 at best against 31.7
-# so one-row decode only; decode batches keep the XLA path (its gathers are amortised over the
-# rows, and the kernel's per-program loop is not). Sliding layers (window only) and prefill
-# were not measured: the XLA path.
-CUDA_DEFAULT_BLOCKS = {("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1)}
+# XLA path in, on the operation alone (bench/decode_kernel.py, H200, V4-Flash bf16), us per op:
+#   decode (results/h200_decode_kernel_blocks_2026-12-01.json):
+#     CSA B = 1:  24.7 (bk 16, bh 32) against 28.9     HCA B = 1:  20.2 (bk 32, bh 16) against 30.3
+#     CSA B = 32: 58.6 at best against 56.8            HCA B = 32: 37.7 at best against 31.7
+#   so one-row decode only; decode batches keep the XLA path (its gathers are amortised over
+#   the rows, and the kernel's per-program loop is not);
+#   prefill of 4096 tokens (results/h200_prefill_kernel_blocks3_2026-12-01.json):
+#     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5.5k   HCA: 1231 (same) against 2532
+#   for prompts of at least PREFILL_MIN_ROWS queries (B * S; shorter calls were not measured).
+# Sliding layers (window only) were not measured: the XLA path.
+CUDA_DEFAULT_BLOCKS = {
+    ("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1),
+    ("csa", "prefill", None): (64, 64, 8, 3), ("hca", "prefill", None): (64, 64, 8, 3),
+}
+PREFILL_MIN_ROWS = 256
 
 # The blocks a forced kernel (`DECODE_KERNEL` / `PREFILL_KERNEL` = True) uses where the table
 # has none.
-FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES),
-                 "prefill": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES)}
+FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES), "prefill": (64, 64, 8, 3)}
 
 
 def phase_of(q: Array) -> str:
@@ -73,9 +79,11 @@ def phase_of(q: Array) -> str:
     return "decode" if q.shape[1] == 1 else "prefill"
 
 
-def default_blocks(kind: str, batch: int, phase: str = "decode") -> dict | None:
+def default_blocks(kind: str, batch: int, phase: str = "decode", queries: int = 1) -> dict | None:
     """The kernel's blocks where it is the CUDA default for this layer kind ("csa", "hca",
-    "sliding"), phase ("decode", "prefill") and batch, else None (the XLA path)."""
+    "sliding"), phase ("decode", "prefill"), batch and queries per row, else None (the XLA path)."""
+    if phase == "prefill" and batch * queries < PREFILL_MIN_ROWS:
+        return None
     chosen = CUDA_DEFAULT_BLOCKS.get((kind, phase, batch), CUDA_DEFAULT_BLOCKS.get((kind, phase, None)))
     return None if chosen is None else _as_blocks(chosen)
 

@@ -110,8 +110,12 @@ def test_the_cuda_default_table():
     assert sak.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16, "num_warps": 8, "num_stages": 1}
     assert sak.default_blocks("csa", 32) is None and sak.default_blocks("hca", 8) is None
     assert sak.default_blocks("sliding", 1) is None
+    assert sak.default_blocks("csa", 1, "prefill", 4096) == {"block_keys": 64, "block_heads": 64, "num_warps": 8,
+                                                            "num_stages": 3}
+    assert sak.default_blocks("csa", 2, "prefill", 8) is None  # short prompts: not measured, XLA
+    assert sak.default_blocks("sliding", 1, "prefill", 4096) is None
     for (kind, phase, batch), chosen in sak.CUDA_DEFAULT_BLOCKS.items():
-        assert sak.default_blocks(kind, batch or 3, phase)["block_keys"] == chosen[0]
+        assert sak.default_blocks(kind, batch or 3, phase, 4096)["block_keys"] == chosen[0]
 
 
 def _default_cases():
@@ -122,7 +126,7 @@ def _default_cases():
 def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     """The blocks of each CUDA default, at a realistic window (128) and head count (32), in
     interpret mode; `sparse_attention` hands them to the kernel."""
-    b, s = batch or 2, 1 if phase == "decode" else 3
+    b, s = batch or 2, 1 if phase == "decode" else sak.PREFILL_MIN_ROWS // 2
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=32, d=32, w=128, t=300, k=64, dtype=jnp.float32,
                                                 starts=[1000] * b, s=s)
     calls = []
@@ -131,7 +135,7 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     monkeypatch.setattr(sa, "DECODE_KERNEL" if phase == "decode" else "PREFILL_KERNEL", "interpret")
     got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs).o, np.float32)
     assert {n: calls[-1][n] for n in ("block_keys", "block_heads", "num_warps", "num_stages")} == \
-        sak.default_blocks(kind, b, phase)
+        sak.default_blocks(kind, b, phase, s)
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
@@ -197,16 +201,23 @@ def test_golden_calls_through_the_kernel(golden, layer, monkeypatch):
         jax.clear_caches()  # no trace made with the switch outlives the test
 
 
+FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, and each CUDA default's
+    ("decode", 1, 1, "forced"), ("decode", 32, 1, "forced"), ("decode", 1, 1, "cuda_default"),
+    ("prefill", 2, 128, "forced"), ("prefill", 2, 128, "cuda_default"),
+]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-@pytest.mark.parametrize("phase, b, s", [("decode", 1, 1), ("decode", 32, 1), ("prefill", 1, 256), ("prefill", 2, 64)])
-@pytest.mark.parametrize("which", ["forced", "cuda_default"])
+@pytest.mark.parametrize("phase, b, s, which", FLASH_CASES)
 def test_triton_kernel_at_flash_sizes(kind, phase, b, s, which):
     """V4-Flash shapes: 64 heads of 512, window 128, top-512 of 4k entries (CSA), 129 (HCA);
     the blocks of a forced kernel, and the CUDA default's where it has some."""
-    blocks = sak.forced_blocks(phase) if which == "forced" else sak.default_blocks(kind, b, phase)
+    blocks = sak.forced_blocks(phase) if which == "forced" else sak.default_blocks(kind, b, phase, s)
     if blocks is None:
         pytest.skip("the XLA path is the CUDA default here")
+    if which == "forced" and sak.default_blocks(kind, b, phase, s) == blocks:
+        pytest.skip("the same blocks as the CUDA default")
     t = 4096 if kind == "csa" else 129
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32, s=s)
     np.testing.assert_allclose(kernel_path(q, pool, widx, sinks, kwargs, **blocks),
@@ -243,3 +254,38 @@ def test_the_benchmark_runs_and_agrees(tmp_path):
     for r in kernels:
         assert "error" not in r, r
         assert r["op_us"] > 0 and r["max_abs_diff"] <= 2 ** -6 * r["out_max"], r
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_the_layer_with_the_kernel_equals_the_layer_without(layer, monkeypatch):
+    """The whole layer on CUDA in float32, a prefill of 300 tokens in two chunks and decode
+    steps, with the kernel for every call (prefill and decode) against the XLA path: 16 heads
+    of 64 (shapes the Triton kernel takes), the queries' in-place rope update feeding it."""
+    from flax import nnx
+
+    import dsv4_jax
+
+    cfg = dsv4_jax.DeepseekV4Config.tiny(num_attention_heads=16, head_dim=64, qk_rope_head_dim=16, o_groups=4,
+                                          sliding_window=32, index_topk=16)
+    rng = np.random.default_rng(layer)
+    hidden = jnp.asarray(rng.normal(size=(2, 304, cfg.hidden_size)), jnp.float32)
+
+    def run(kernel):
+        monkeypatch.setattr(sa, "DECODE_KERNEL", kernel)
+        monkeypatch.setattr(sa, "PREFILL_KERNEL", kernel)
+        jax.clear_caches()  # the switches are read at trace time
+        attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(layer), dtype=jnp.float32)
+        cache, outs, start = attn.init_cache(2, 320), [], 0
+        for n in (200, 100, 1, 1, 1, 1):
+            positions = jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (2, n))
+            out, cache = attn(hidden[:, start:start + n], positions, cache)
+            outs.append(np.asarray(out, np.float32))
+            start += n
+        return np.concatenate(outs, axis=1)
+
+    try:
+        want, got = run(False), run(True)
+    finally:
+        jax.clear_caches()
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=2e-5)
