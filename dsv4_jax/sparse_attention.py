@@ -133,9 +133,9 @@ def _kernel_path(q, pool, window_idx, sinks, *, entries, picks, visible, xla) ->
     if switch is False:
         return None
     kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-    blocks = kernels.default_blocks(kind, q.shape[0], phase, q.shape[1])
+    blocks = kernels.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype)
     if blocks is None and switch is not None:
-        blocks = kernels.forced_blocks(phase)  # forced: where the table has no blocks
+        blocks = kernels.forced_blocks(phase, q.dtype)  # forced: where the table has no blocks
     kernel = functools.partial(kernels.sparse_attention_kernel, entries=entries, picks=picks, visible=visible,
                                **(blocks or {}))
     if switch == "interpret":  # the kernel on any backend (tests, CPU)

@@ -61,7 +61,9 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #   the rows, and the kernel's per-program loop is not);
 #   prefill of 4096 tokens (results/h200_prefill_kernel_blocks3_2026-12-01.json):
 #     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5.5k   HCA: 1231 (same) against 2532
-#   for prompts of at least PREFILL_MIN_ROWS queries (B * S; shorter calls were not measured).
+#   for prompts of at least PREFILL_MIN_ROWS queries (B * S; shorter calls were not measured),
+#   in 2-byte compute dtypes: those blocks need 193 KiB of shared memory in bf16 and more than
+#   the H200's 227 KiB in float32 (a float32 prefill keeps the XLA path unless forced).
 # Sliding layers (window only) were not measured: the XLA path.
 CUDA_DEFAULT_BLOCKS = {
     ("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1),
@@ -70,8 +72,9 @@ CUDA_DEFAULT_BLOCKS = {
 PREFILL_MIN_ROWS = 256
 
 # The blocks a forced kernel (`DECODE_KERNEL` / `PREFILL_KERNEL` = True) uses where the table
-# has none.
-FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES), "prefill": (64, 64, 8, 3)}
+# has none; float32 prefill: blocks whose shared memory fits (96 KiB in bf16, ~192 in float32).
+FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES), "prefill": (64, 64, 8, 3),
+                 "prefill_float32": (32, 32, 8, 1)}
 
 
 def phase_of(q: Array) -> str:
@@ -79,17 +82,21 @@ def phase_of(q: Array) -> str:
     return "decode" if q.shape[1] == 1 else "prefill"
 
 
-def default_blocks(kind: str, batch: int, phase: str = "decode", queries: int = 1) -> dict | None:
+def default_blocks(kind: str, batch: int, phase: str = "decode", queries: int = 1,
+                   dtype=jnp.bfloat16) -> dict | None:
     """The kernel's blocks where it is the CUDA default for this layer kind ("csa", "hca",
-    "sliding"), phase ("decode", "prefill"), batch and queries per row, else None (the XLA path)."""
-    if phase == "prefill" and batch * queries < PREFILL_MIN_ROWS:
+    "sliding"), phase ("decode", "prefill"), batch, queries per row and compute dtype, else None
+    (the XLA path)."""
+    if phase == "prefill" and (batch * queries < PREFILL_MIN_ROWS or jnp.dtype(dtype).itemsize > 2):
         return None
     chosen = CUDA_DEFAULT_BLOCKS.get((kind, phase, batch), CUDA_DEFAULT_BLOCKS.get((kind, phase, None)))
     return None if chosen is None else _as_blocks(chosen)
 
 
-def forced_blocks(phase: str) -> dict:
-    return _as_blocks(FORCED_BLOCKS[phase])
+def forced_blocks(phase: str, dtype=jnp.bfloat16) -> dict:
+    """The blocks of a forced kernel for this phase and compute dtype."""
+    wide = phase == "prefill" and jnp.dtype(dtype).itemsize > 2
+    return _as_blocks(FORCED_BLOCKS["prefill_float32" if wide else phase])
 
 
 def _as_blocks(chosen) -> dict:

@@ -113,6 +113,8 @@ def test_the_cuda_default_table():
     assert sak.default_blocks("csa", 1, "prefill", 4096) == {"block_keys": 64, "block_heads": 64, "num_warps": 8,
                                                             "num_stages": 3}
     assert sak.default_blocks("csa", 2, "prefill", 8) is None  # short prompts: not measured, XLA
+    assert sak.default_blocks("csa", 1, "prefill", 4096, jnp.float32) is None  # its shared memory: bf16 only
+    assert sak.forced_blocks("prefill", jnp.float32)["block_keys"] == 32
     assert sak.default_blocks("sliding", 1, "prefill", 4096) is None
     for (kind, phase, batch), chosen in sak.CUDA_DEFAULT_BLOCKS.items():
         assert sak.default_blocks(kind, batch or 3, phase, 4096)["block_keys"] == chosen[0]
@@ -124,18 +126,21 @@ def _default_cases():
 
 @pytest.mark.parametrize("kind, phase, batch", _default_cases())
 def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
-    """The blocks of each CUDA default, at a realistic window (128) and head count (32), in
-    interpret mode; `sparse_attention` hands them to the kernel."""
+    """Each CUDA default: `sparse_attention` hands its blocks to the kernel for a bf16 call, and
+    the kernel with those blocks equals the XLA path in float32 (interpret mode, which has no
+    shared-memory limit), at a realistic window (128) and head count (32)."""
     b, s = batch or 2, 1 if phase == "decode" else sak.PREFILL_MIN_ROWS // 2
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=32, d=32, w=128, t=300, k=64, dtype=jnp.float32,
                                                 starts=[1000] * b, s=s)
+    blocks = sak.default_blocks(kind, b, phase, s, jnp.bfloat16)
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
     monkeypatch.setattr(sa, "DECODE_KERNEL" if phase == "decode" else "PREFILL_KERNEL", "interpret")
-    got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs).o, np.float32)
-    assert {n: calls[-1][n] for n in ("block_keys", "block_heads", "num_warps", "num_stages")} == \
-        sak.default_blocks(kind, b, phase, s)
+    kw16 = {n: (v.astype(jnp.bfloat16) if n == "entries" else v) for n, v in kwargs.items()}
+    sa.sparse_attention(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), widx, sinks, **kw16)
+    assert {n: calls[-1][n] for n in blocks} == blocks
+    got = np.asarray(real(q, pool, widx, sinks, **kwargs, **blocks, interpret=True), np.float32)
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
@@ -213,15 +218,21 @@ FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, and each CUD
 def test_triton_kernel_at_flash_sizes(kind, phase, b, s, which):
     """V4-Flash shapes: 64 heads of 512, window 128, top-512 of 4k entries (CSA), 129 (HCA);
     the blocks of a forced kernel, and the CUDA default's where it has some."""
-    blocks = sak.forced_blocks(phase) if which == "forced" else sak.default_blocks(kind, b, phase, s)
-    if blocks is None:
+    def blocks_for(dtype):
+        if which == "forced":
+            return sak.forced_blocks(phase, dtype)
+        return sak.default_blocks(kind, b, phase, s, dtype) or sak.forced_blocks(phase, dtype)
+
+    if which == "cuda_default" and sak.default_blocks(kind, b, phase, s) is None:
         pytest.skip("the XLA path is the CUDA default here")
-    if which == "forced" and sak.default_blocks(kind, b, phase, s) == blocks:
+    if which == "forced" and sak.default_blocks(kind, b, phase, s) == blocks_for(jnp.bfloat16):
         pytest.skip("the same blocks as the CUDA default")
     t = 4096 if kind == "csa" else 129
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32, s=s)
-    np.testing.assert_allclose(kernel_path(q, pool, widx, sinks, kwargs, **blocks),
+    # float32 with the blocks float32 runs with (a prefill's bf16 blocks exceed shared memory in float32)
+    np.testing.assert_allclose(kernel_path(q, pool, widx, sinks, kwargs, **blocks_for(jnp.float32)),
                                _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
+    blocks = blocks_for(jnp.bfloat16)
     q16, pool16 = q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16)
     kw16 = {n: (v.astype(jnp.bfloat16) if n == "entries" else v) for n, v in kwargs.items()}
     exact = _xla(q16.astype(jnp.float32), pool16.astype(jnp.float32), widx, sinks,
