@@ -38,9 +38,10 @@ from dsv4_jax import sparse_attention as sa  # noqa: E402
 from dsv4_jax import sparse_attention_kernel as sak  # noqa: E402
 
 CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # decode: (block_keys, block_heads)
-# prefill: (block_keys, block_heads, num_warps, num_stages): one program per query and head block
-PREFILL_CONFIGS = ((64, 32, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2), (128, 32, 8, 2),
-                   (64, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2), (64, 16, 4, 3))
+# prefill: (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]): one program per
+# query and head block; the default's blocks with and without skipping the masked entry blocks
+PREFILL_CONFIGS = ((64, 64, 8, 3), (64, 64, 8, 3, True), (64, 64, 8, 2, True), (32, 64, 8, 3, True),
+                   (64, 32, 4, 2), (64, 32, 4, 2, True))
 # The sweeps before: results/h200_prefill_kernel_blocks{1,2}_2026-12-01.json (their `prefill_configs`).
 
 
@@ -136,7 +137,7 @@ def run(args) -> list:
                     cases.append((phase, kind, b, lambda kind=kind, b=b: inputs(kind, b, **shapes), configs, args.reps))
             else:
                 length = 64 if args.quick else args.prefill_len
-                configs = ((16, 16, 4, 2),) if args.quick else PREFILL_CONFIGS
+                configs = ((16, 16, 4, 2, True),) if args.quick else PREFILL_CONFIGS
                 cases.append((phase, kind, 1, lambda kind=kind, length=length: prefill_inputs(
                     kind, 1, length=length, **shapes), configs, max(1, args.reps // 4)))
     for phase, kind, b, make, configs, reps in cases:
@@ -144,19 +145,21 @@ def run(args) -> list:
         data = (pool, widx, sinks, kw)
         base = {"phase": phase, "kind": kind, "batch": b, "queries": q.shape[1]}
         us, ref = timed(functools.partial(xla_op, data=data), q, reps, args.repeats)
-        records.append({**base, "impl": "xla", "op_us": us})
+        records.append({**base, "impl": "xla", "op_us": us, "reps": reps})
         print(f"{phase} {kind} B={b} xla: {us:.1f} us", flush=True)
-        for bk, bh, warps, stages in configs:
+        for bk, bh, warps, stages, *skip in configs:
+            skip = bool(skip and skip[0])
             kernel = functools.partial(kernel_op, data=data, block_keys=bk, block_heads=bh, num_warps=warps,
-                                       num_stages=stages, interpret=interpret)
+                                       num_stages=stages, skip_masked_blocks=skip, interpret=interpret)
             try:
                 us, got = timed(kernel, q, reps, args.repeats)
                 rec = {"op_us": us, "max_abs_diff": float(np.abs(got - ref).max()),
                        "out_max": float(np.abs(ref).max())}
             except Exception as err:  # a record says why a configuration did not run
                 rec = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-            records.append({**base, "impl": f"kernel bk={bk} bh={bh} w={warps} st={stages}", **rec})
-            print(f"{phase} {kind} B={b} kernel bk={bk} bh={bh} w={warps} st={stages}: {rec}", flush=True)
+            name = f"kernel bk={bk} bh={bh} w={warps} st={stages}" + (" skip" if skip else "")
+            records.append({**base, "impl": name, "reps": reps, **rec})
+            print(f"{phase} {kind} B={b} {name}: {rec}", flush=True)
         del q, pool, widx, kw, data, ref
     return records
 

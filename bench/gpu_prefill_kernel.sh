@@ -6,7 +6,7 @@
 # (4k, 16k; CSA x4, HCA x4) in one machine: ORDER (default "kernel xla kernel"): "kernel" =
 # --prefill-kernel with the fastest blocks of the operation's sweep, "xla" = --no-prefill-kernel,
 # "default" = the package's default; a profile of the CSA prefill in the first run. TESTS=0
-# skips the tests; MICRO=0 the sweep (then BLOCKS=bk,bh,warps,stages or the kernel's forced blocks).
+# skips the tests; MICRO=0 the sweep (then BLOCKS=bk,bh,warps,stages[,skip] or the kernel's forced blocks).
 # DECODE_AB=1 adds one-row decode stacks (16k): the package default, then --no-decode-kernel.
 #                                                    device run:  bash bench/gpu_prefill_kernel.sh
 set -uo pipefail
@@ -35,7 +35,7 @@ for r in recs:
         total[r["impl"]] += r["op_us"]
 ok = [i for i in total if sum(r["impl"] == i and "op_us" in r for r in recs) == len(kinds)]
 best = min(ok, key=total.get)
-print(",".join(v.split("=")[1] for v in best.split()[1:]))
+print(",".join(v.split("=")[1] if "=" in v else "1" for v in best.split()[1:]))  # "skip" -> 1
 PY
 )
   echo "fastest blocks: ${BLOCKS:-none}"

@@ -363,7 +363,7 @@ def run(args, write=None) -> tuple[list, dict]:
         sparse_attention_mod.PREFILL_KERNEL = False
     elif getattr(args, "prefill_kernel", False):
         sparse_attention_mod.PREFILL_KERNEL = True
-    if getattr(args, "prefill_blocks", None):  # bk,bh,warps,stages of a forced prefill kernel
+    if getattr(args, "prefill_blocks", None):  # bk,bh,warps,stages[,skip] of a forced prefill kernel
         sparse_attention_kernel.FORCED_BLOCKS["prefill"] = tuple(int(v) for v in args.prefill_blocks.split(","))
     switch_names = {None: "cuda default", True: "everywhere on cuda", False: "off"}
     cfg = stack_config(args.size, args.layers_per_stack)
@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill attention by the XLA path on CUDA too (PREFILL_KERNEL = False)")
     ap.add_argument("--prefill-kernel", action="store_true",
                     help="the Pallas kernel on CUDA for every prefill shape it takes (PREFILL_KERNEL = True)")
-    ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
+    ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS,STAGES[,SKIP]",
                     help="blocks of the forced prefill kernel (sparse_attention_kernel.FORCED_BLOCKS['prefill'])")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap

@@ -100,7 +100,12 @@ def forced_blocks(phase: str, dtype=jnp.bfloat16) -> dict:
 
 
 def _as_blocks(chosen) -> dict:
-    return dict(zip(("block_keys", "block_heads", "num_warps", "num_stages"), chosen, strict=True))
+    # (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks])
+    names = ("block_keys", "block_heads", "num_warps", "num_stages", "skip_masked_blocks")
+    blocks = dict(zip(names, chosen))
+    if "skip_masked_blocks" in blocks:
+        blocks["skip_masked_blocks"] = bool(blocks["skip_masked_blocks"])
+    return blocks
 
 
 def supported_on_gpu(q: Array, block_heads: int = BLOCK_HEADS, block_keys: int = BLOCK_KEYS, **_) -> bool:
@@ -122,10 +127,11 @@ def _pad_indices(idx: Array, block: int) -> Array:
 
 
 def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: int, n_window: int,
-            n_entries: int, dtype, finish: bool):
+            n_entries: int, dtype, finish: bool, skip_masked_blocks: bool):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref = refs.pop(0) if n_entries else None
+    eblocks_ref = refs.pop(0) if n_entries and skip_masked_blocks else None
     q_ref, pool_ref = refs.pop(0), refs.pop(0)
     ents_ref = refs.pop(0) if n_entries else None
     sink_ref = refs.pop(0) if finish else None
@@ -152,7 +158,8 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
         return acc, m_new, total * alpha + jnp.sum(p, axis=1)
 
     def loop(src_ref, idx_ref, n_blocks, carry):
-        # One split (prefill): a static trip count, which Triton's pipeliner handles best.
+        # One split (prefill) and a static n_blocks: a static trip count, which Triton's
+        # pipeliner handles best.
         count = n_blocks if splits == 1 else jnp.maximum(0, (n_blocks - j + splits - 1) // splits)
         return jax.lax.fori_loop(0, count, lambda i, c: key_block(src_ref, idx_ref, j + i * splits, c), carry)
 
@@ -160,7 +167,9 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
     carry = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32))
     carry = loop(pool_ref, widx_ref, n_window, carry)
     if n_entries:
-        carry = loop(ents_ref, eidx_ref, n_entries, carry)
+        # skip_masked_blocks: only up to the row's last entry block with a key (a prompt's early
+        # queries see few entries; their picks past those are -1).
+        carry = loop(ents_ref, eidx_ref, eblocks_ref[r] if skip_masked_blocks else n_entries, carry)
     if finish:  # one split: merge the sink here, as `combine` does for one split
         acc, m, total = carry
         sink = sink_ref[...]
@@ -173,7 +182,7 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
 
 
 def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, block_keys, block_heads,
-          num_warps, num_stages, splits, interpret):
+          num_warps, num_stages, splits, interpret, skip_masked_blocks=False):
     """The pallas_call: `partials` (sinks None) or the finished output (sinks given, one split)."""
     r, h, d = q.shape
     bh = min(block_heads, h)
@@ -184,11 +193,15 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
     finish = sinks is not None
     kernel = functools.partial(_kernel, scale=d ** -0.5, block_keys=block_keys, splits=splits,
                                rows_per_source=rows_per_source, n_window=n_window, n_entries=n_entries,
-                               dtype=q.dtype, finish=finish)
+                               dtype=q.dtype, finish=finish, skip_masked_blocks=skip_masked_blocks)
     whole = pl.no_block_spec
-    in_specs = [whole] + ([whole] if n_entries else []) + [
+    index_args = [widx] + ([eidx] if n_entries else [])
+    if n_entries and skip_masked_blocks:  # [R] int32: entry blocks up to the row's last key
+        last = jnp.max(jnp.where(eidx >= 0, jnp.arange(1, eidx.shape[1] + 1, dtype=jnp.int32), 0), axis=1)
+        index_args.append((last + block_keys - 1) // block_keys)
+    in_specs = [whole] * len(index_args) + [
         pl.BlockSpec((None, bh, d), lambda i, g, s: (i, g, 0)), whole] + ([whole] if n_entries else [])
-    args = [widx] + ([eidx] if n_entries else []) + [q, pool] + ([entries] if n_entries else [])
+    args = index_args + [q, pool] + ([entries] if n_entries else [])
     if finish:
         in_specs.append(pl.BlockSpec((bh,), lambda i, g, s: (g,)))
         args.append(sinks.astype(jnp.float32))
@@ -221,7 +234,7 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
 def partials(q: Array, pool: Array, window_idx: Array, entries: Array | None, entry_idx: Array | None, *,
              rows_per_source: int = 1, block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
              num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, splits: int | None = None,
-             interpret: bool = False):
+             interpret: bool = False, skip_masked_blocks: bool = False):
     """The kernel with its key blocks split over programs: per split, the un-normalised output
     and its softmax statistics.
 
@@ -235,7 +248,7 @@ def partials(q: Array, pool: Array, window_idx: Array, entries: Array | None, en
         splits = default_splits(q, window_idx, entry_idx, block_keys, block_heads)
     return _call(q, pool, window_idx, entries, entry_idx, None, rows_per_source=rows_per_source,
                  block_keys=block_keys, block_heads=block_heads, num_warps=num_warps, num_stages=num_stages,
-                 splits=splits, interpret=interpret)
+                 splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks)
 
 
 def default_splits(q: Array, window_idx: Array, entry_idx: Array | None, block_keys: int, block_heads: int) -> int:
@@ -263,12 +276,16 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                             visible: Array | None = None, interpret: bool = False,
                             block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                            splits: int | None = None) -> Array:
+                            splits: int | None = None, skip_masked_blocks: bool = False) -> Array:
     """`sparse_attention` by the kernel (no attention masses): the same arguments.
 
     q [B, S, H, D], pool [B, W+S, D], window_idx [B, S, W], sinks [H]; entries [B, T, D] with
     picks [B, S, K] (CSA) or visible [B, S] (HCA: entries w < visible), or neither (sliding).
     Returns o [B, S, H, D] in q's dtype.
+
+    skip_masked_blocks: loop over each row's entry blocks only up to its last key (-1 picks /
+    invisible HCA entries after it are skipped instead of computed and masked); the loop's trip
+    count becomes per row. Same result; not yet measured on the GPU, so off by default.
     """
     b, s, h, d = q.shape
     entry_idx = None
@@ -282,7 +299,7 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
     if splits is None:
         splits = default_splits(rows, widx, entry_idx, block_keys, block_heads)
     blocks = dict(rows_per_source=s, block_keys=block_keys, block_heads=block_heads, num_warps=num_warps,
-                  num_stages=num_stages, splits=splits, interpret=interpret)
+                  num_stages=num_stages, splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks)
     if splits == 1:
         o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks)
     else:

@@ -69,7 +69,9 @@ def kernel_path(q, pool, widx, sinks, kwargs, **blocks):
 @pytest.mark.parametrize("blocks", [dict(block_keys=4, block_heads=2, splits=1),
                                     dict(block_keys=4, block_heads=4, splits=3),
                                     dict(block_keys=8, block_heads=4, splits=5),
-                                    dict(block_keys=8, block_heads=2)])
+                                    dict(block_keys=8, block_heads=2),
+                                    dict(block_keys=4, block_heads=2, skip_masked_blocks=True),
+                                    dict(block_keys=4, block_heads=4, splits=3, skip_masked_blocks=True)])
 @pytest.mark.parametrize("s", [1, 5], ids=["decode", "prefill"])
 def test_kernel_equals_the_xla_path_in_float32(kind, blocks, s):
     # splits=5 with 3 window blocks and 3-4 entry blocks: some programs see no key at all;
@@ -165,6 +167,20 @@ def test_sparse_attention_chooses_the_kernel_only_where_asked(s, monkeypatch):
     assert not calls
 
 
+def test_forced_prefill_blocks_may_skip_masked_entry_blocks(monkeypatch):
+    """`bench/stack.py --prefill-blocks BK,BH,WARPS,STAGES,1`: the forced kernel skips each
+    row's entry blocks past its last pick, with the XLA path's result."""
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=40, k=16, dtype=jnp.float32, s=6)
+    monkeypatch.setitem(sak.FORCED_BLOCKS, "prefill_float32", (4, 2, 4, 1, 1))
+    monkeypatch.setattr(sa, "PREFILL_KERNEL", "interpret")
+    calls = []
+    real = sak.sparse_attention_kernel
+    monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
+    got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs).o, np.float32)
+    assert calls[-1]["skip_masked_blocks"] is True
+    np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.skipif(ON_GPU, reason="a CPU machine's export")
 def test_a_cpu_machine_exports_the_decode_step_for_cuda_with_the_xla_path():
     # Shapes the kernel takes, in its CUDA default case (one-row HCA decode): Pallas lowers a
@@ -206,9 +222,10 @@ def test_golden_calls_through_the_kernel(golden, layer, monkeypatch):
         jax.clear_caches()  # no trace made with the switch outlives the test
 
 
-FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, and each CUDA default's
+FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, each CUDA default's, and
+    # the forced prefill blocks skipping the masked entry blocks
     ("decode", 1, 1, "forced"), ("decode", 32, 1, "forced"), ("decode", 1, 1, "cuda_default"),
-    ("prefill", 2, 128, "forced"), ("prefill", 2, 128, "cuda_default"),
+    ("prefill", 2, 128, "forced"), ("prefill", 2, 128, "cuda_default"), ("prefill", 2, 128, "skip"),
 ]
 
 
@@ -219,8 +236,8 @@ def test_triton_kernel_at_flash_sizes(kind, phase, b, s, which):
     """V4-Flash shapes: 64 heads of 512, window 128, top-512 of 4k entries (CSA), 129 (HCA);
     the blocks of a forced kernel, and the CUDA default's where it has some."""
     def blocks_for(dtype):
-        if which == "forced":
-            return sak.forced_blocks(phase, dtype)
+        if which in ("forced", "skip"):
+            return {**sak.forced_blocks(phase, dtype), **({"skip_masked_blocks": True} if which == "skip" else {})}
         return sak.default_blocks(kind, b, phase, s, dtype) or sak.forced_blocks(phase, dtype)
 
     if which == "cuda_default" and sak.default_blocks(kind, b, phase, s) is None:
