@@ -8,7 +8,7 @@ the 128 visible of 129 entry slots at a 16k context, B = 1 and 32; prefill (`--p
 decode,prefill`): a prompt of `--prefill-len` tokens (4096) at B = 1, CSA top-512 of its
 len/4 entries, HCA its len/128, each query's visible ones). Off the GPU the kernel runs in
 interpret mode (`--quick`: small shapes, the CPU smoke test in
-`tests/test_sparse_decode_kernel.py`). Each case jits `reps` applications of the operation in
+`tests/test_sparse_attention_kernel.py`). Each case jits `reps` applications of the operation in
 a row (the query nudged each time, so that none is shared), runs it `repeats` times after a
 warm-up and records the median wall time per application (``op_us``): launch
 gaps included, as inside a CUDA graph. The compile is the warm-up's and not timed. Every

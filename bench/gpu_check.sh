@@ -21,7 +21,7 @@ grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_golden.log" | tail -6
 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --durations=10 tests/test_attention.py \
   tests/test_backend.py -k "agree_on_csa or fused or single_token" >"$OUT/gpu_tests_layer.log" 2>&1
 echo "layer tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_layer.log" | tail -6
-timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/test_sparse_decode_kernel.py \
+timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/test_sparse_attention_kernel.py \
   >"$OUT/gpu_tests_decode_kernel.log" 2>&1; echo "decode kernel tests rc=$?"
 grep -E "bf16|passed|failed|FAILED|Error" "$OUT/gpu_tests_decode_kernel.log" | tail -12
 DUMP=""

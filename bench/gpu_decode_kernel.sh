@@ -14,7 +14,7 @@ PROF="--xla_enable_command_buffers_during_profiling=true"
 source "$(dirname "$0")/gpu_build.sh"
 mkdir -p "$OUT/logs"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/test_sparse_decode_kernel.py \
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/test_sparse_attention_kernel.py \
     >"$OUT/logs/tests.log" 2>&1; echo "kernel tests rc=$?"
   grep -E "bf16|passed|failed|FAILED|Error" "$OUT/logs/tests.log" | tail -14
 fi
@@ -34,8 +34,8 @@ for tag in ${ORDER-kernel xla kernel}; do
     --json "$OUT/h200_stack_decode_kernel_${i}_$tag.json" >"$OUT/logs/stack_${i}_$tag.log" 2>&1
   echo "$i $tag rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_decode\|Error" "$OUT/logs/stack_${i}_$tag.log" | head -6
   if [ $i = 1 ]; then  # the kernel's place in the thunk sequences: indented = recorded into a graph
-    grep -n "sparse_decode\|^[0-9]*: k" /tmp/dk_dump/*thunk_sequence_after_thunk_passes.txt 2>/dev/null \
-      | grep -B1 -A0 "sparse_decode" | head -12
+    grep -n "sparse_attention_kernel\|^[0-9]*: k" /tmp/dk_dump/*thunk_sequence_after_thunk_passes.txt 2>/dev/null \
+      | grep -B1 -A0 "sparse_attention_kernel" | head -12
     (cd /tmp/dk_dump 2>/dev/null && tar czf "$OUT/logs/thunks.tar.gz" $(ls | grep thunk_sequence_after_thunk_passes)) || true
   fi
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the Pallas sparse attention kernel run per query (prefill; issue 9): build,
-# the kernel's parity tests on the GPU (Triton against the XLA path at V4-Flash sizes, decode and
-# prefill, float32 within 2e-5, bf16 reported), the operation alone (bench/decode_kernel.py
+# the kernel's prefill parity tests on the GPU (TESTS_K, default the V4-Flash-size prefill cases:
+# Triton against the XLA path, float32 within 2e-5, bf16 reported), the operation alone (bench/decode_kernel.py
 # --phases prefill: block shapes against the XLA path at a 4k prompt), then the prefill stacks
 # (4k, 16k; CSA x4, HCA x4) in one machine: ORDER (default "kernel xla kernel"): "kernel" =
 # --prefill-kernel with the fastest blocks of the operation's sweep, "xla" = --no-prefill-kernel,
@@ -16,7 +16,7 @@ source "$(dirname "$0")/gpu_build.sh"
 mkdir -p "$OUT/logs"
 if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/test_sparse_attention_kernel.py \
-    -k "${TESTS_K:-flash_sizes}" >"$OUT/logs/tests.log" 2>&1; echo "kernel tests rc=$?"
+    -k "${TESTS_K:-flash_sizes and prefill}" >"$OUT/logs/tests.log" 2>&1; echo "kernel tests rc=$?"
   grep -E "bf16|passed|failed|FAILED|Error" "$OUT/logs/tests.log" | tail -24
 fi
 BLOCKS=${BLOCKS:-}
