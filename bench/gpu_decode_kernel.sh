@@ -20,24 +20,11 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 timeout ${MICRO_TIMEOUT:-150} python3 bench/decode_kernel.py --json "$OUT/h200_decode_kernel.json" ${MICRO_ARGS:-} \
   >"$OUT/logs/decode_kernel.log" 2>&1; echo "decode kernel bench rc=$?"; grep "^|" "$OUT/logs/decode_kernel.log" | tail -25
-i=0
-for tag in ${ORDER-kernel xla kernel}; do
-  i=$((i + 1)); extra=""; flags="$PROF"
-  [ "$tag" = xla ] && extra="--no-decode-kernel"
-  [ "$tag" = forced ] && extra="--decode-kernel"
-  if [ $i = 1 ]; then
-    extra="$extra --profile ${PROFILE:-hca/32:16384,csa/prefill:4096}"
-    flags="$flags --xla_dump_to=/tmp/dk_dump --xla_dump_hlo_module_re=.*stack_step.*"
-  fi
-  XLA_FLAGS="$flags" timeout ${STACK_TIMEOUT:-170} python3 bench/stack.py --size flash --scenarios stack_decode \
-    --stacks "${STACKS:-csa,hca}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" $extra \
-    --json "$OUT/h200_stack_decode_kernel_${i}_$tag.json" >"$OUT/logs/stack_${i}_$tag.log" 2>&1
-  echo "$i $tag rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_decode\|Error" "$OUT/logs/stack_${i}_$tag.log" | head -6
-  if [ $i = 1 ]; then  # the kernel's place in the thunk sequences: indented = recorded into a graph
-    grep -n "sparse_attention_kernel\|^[0-9]*: k" /tmp/dk_dump/*thunk_sequence_after_thunk_passes.txt 2>/dev/null \
-      | grep -B1 -A0 "sparse_attention_kernel" | head -12
-    (cd /tmp/dk_dump 2>/dev/null && tar czf "$OUT/logs/thunks.tar.gz" $(ls | grep thunk_sequence_after_thunk_passes)) || true
-  fi
-done
+tag_flags() {  # ORDER's tags: kernel = the package default, xla = the XLA path, forced = the kernel everywhere
+  case $1 in xla) echo "--no-decode-kernel" ;; forced) echo "--decode-kernel" ;; esac
+}
+source "$(dirname "$0")/gpu_stack_ab.sh"
+STACK_TIMEOUT=${STACK_TIMEOUT:-170} stack_ab stack_decode_kernel stack_decode "hca/32:16384,csa/prefill:4096" \
+  --stacks "${STACKS:-csa,hca}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}"
 (cd "$OUT" && tar czf logs.tar.gz logs && rm -rf logs)
 echo "total: $(( $(date +%s) - t0 )) s"

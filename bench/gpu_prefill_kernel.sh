@@ -40,24 +40,12 @@ PY
 )
   echo "fastest blocks: ${BLOCKS:-none}"
 fi
-i=0
-for tag in ${ORDER-kernel xla kernel}; do
-  i=$((i + 1)); extra=""; flags="$PROF"
-  [ "$tag" = xla ] && extra="--no-prefill-kernel"
-  [ "$tag" = kernel ] && extra="--prefill-kernel ${BLOCKS:+--prefill-blocks $BLOCKS}"
-  if [ $i = 1 ]; then
-    extra="$extra --profile ${PROFILE:-csa/prefill:4096}"
-    flags="$flags --xla_dump_to=/tmp/pk_dump --xla_dump_hlo_module_re=.*stack_step.*"
-  fi
-  XLA_FLAGS="$flags" timeout ${STACK_TIMEOUT:-150} python3 bench/stack.py --size flash --scenarios stack_prefill \
-    --stacks "${STACKS:-csa,hca}" --prefills "${PREFILLS:-4096,16384}" $extra \
-    --json "$OUT/h200_stack_prefill_kernel_${i}_$tag.json" >"$OUT/logs/stack_${i}_$tag.log" 2>&1
-  echo "$i $tag rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_prefill\|Error" "$OUT/logs/stack_${i}_$tag.log" | head -6
-  if [ $i = 1 ]; then  # the kernel's place in the thunk sequences: indented = recorded into a graph
-    grep -n "sparse_attention_kernel" /tmp/pk_dump/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | head -4
-    (cd /tmp/pk_dump 2>/dev/null && tar czf "$OUT/logs/thunks.tar.gz" $(ls | grep thunk_sequence_after_thunk_passes)) || true
-  fi
-done
+tag_flags() {  # ORDER's tags: kernel = forced with the sweep's fastest blocks, xla = the XLA path, default = none
+  case $1 in xla) echo "--no-prefill-kernel" ;; kernel) echo "--prefill-kernel ${BLOCKS:+--prefill-blocks $BLOCKS}" ;; esac
+}
+source "$(dirname "$0")/gpu_stack_ab.sh"
+stack_ab stack_prefill_kernel stack_prefill "csa/prefill:4096" \
+  --stacks "${STACKS:-csa,hca}" --prefills "${PREFILLS:-4096,16384}"
 if [ "${DECODE_AB:-0}" = 1 ]; then
   for tag in default xla; do
     extra=""; [ "$tag" = xla ] && extra="--no-decode-kernel"
