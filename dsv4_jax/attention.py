@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx, struct
 
 from . import breaks, indexer, sharding, validation
-from .backend import QUERY_BLOCK, Array, einsum, in_place_updates
+from .backend import QUERY_BLOCK, Array, einsum
 from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows, real_tokens
 from .compressor import CompressorWeights, compress, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -212,7 +212,7 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
     q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale,
-                   in_place=in_place_updates())
+                   in_place=True)
     kv = apply_rope(kv, positions, freqs, scale=scale)
     return q, kv, insert_window(window, kv, length, frozen, count)
 
@@ -436,7 +436,7 @@ def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
     """Stage 6: o [B, S, H, D] -> de-rotated -> groups [B, S, G, H*D/G] -> wo_a -> wo_b [B, S, hidden]."""
     cfg, dtype = spec.cfg, spec.dtype
     o = apply_rope(o, positions[..., None], _freqs(cfg, spec.rope_kind), inverse=True,
-                   scale=attention_factor(cfg, spec.rope_kind), in_place=in_place_updates())
+                   scale=attention_factor(cfg, spec.rope_kind), in_place=True)
     grouped = o.reshape(*o.shape[:2], cfg.o_groups, -1)
     z = einsum("bsgi,gir->bsgr", grouped, weights.o_a_proj, out_dtype=dtype, precision=spec.precision)
     z = z.reshape(*z.shape[:2], -1)

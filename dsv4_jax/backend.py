@@ -31,13 +31,25 @@ def namespace(*arrays: Array):
     return np
 
 
-def in_place_updates() -> bool:
-    """Whether large arrays get small updates in place (`.at[..].set`) instead of a concatenated
-    copy: where a GPU is the default backend (read at trace time; the values are the same
-    either way). Not on the CPU: XLA's CPU backend (jax 0.10.2, 0.12) miscompiles such an update
-    where it feeds a scatter or a Pallas kernel in interpret mode
-    (scripts/xla_cpu_update_scatter_repro.py)."""
-    return jax.default_backend() == "gpu"
+def update_trailing(x: Array, values: Array) -> Array:
+    """`x` with its trailing ``values.shape[-1]`` channels replaced by `values` (same dtype).
+
+    On CUDA an update of x (`.at[..., -n:].set`), which XLA does in x's buffer where x is not
+    used again: for the large [B, S, H, D] queries and attention output, whose copy would cost a
+    pass over every query in a prefill. Elsewhere a concatenation: XLA's CPU backend (jax 0.10.2,
+    0.12) miscompiles such an update where it feeds a scatter or a Pallas kernel in interpret
+    mode (scripts/xla_cpu_update_scatter_repro.py). Chosen when the program is lowered for its
+    platform (`jax.lax.platform_dependent`); the values are the same either way.
+    """
+    start = x.shape[-1] - values.shape[-1]
+
+    def update(x, values):
+        return x.at[..., start:].set(values)
+
+    def concatenate(x, values):
+        return jnp.concatenate([x[..., :start], values], axis=-1)
+
+    return jax.lax.platform_dependent(jnp.asarray(x), values, cuda=update, default=concatenate)
 
 
 def is_tracer(x: Any) -> bool:

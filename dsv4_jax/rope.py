@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
 
-from .backend import Array, namespace
+from .backend import Array, namespace, update_trailing
 from .config import DeepseekV4Config
 
 
@@ -70,11 +69,9 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     positions: integer, broadcastable to ``x.shape[:-1]`` (e.g. [B, S, 1] for [B, S, H, D])
     freqs:     float32 [rd/2]
     inverse:   rotate by the negative angle (undo the rotation; used on the attention output)
-    in_place:  under JAX, write the rotated channels into x (an update of x's trailing channels,
-               which XLA does in x's buffer where x is not used again) instead of concatenating
-               a new [..., D] array: for the large [B, S, H, D] queries and attention output on
-               the GPU (`backend.in_place_updates`), whose copy costs a pass over every query
-               in a prefill. Same values either way.
+    in_place:  under JAX, write the rotated channels into x on CUDA instead of concatenating a
+               new [..., D] array (`backend.update_trailing`): for the large [B, S, H, D]
+               queries and attention output. Same values either way.
 
     The angle is float32(position) * float32(freq); cos/sin are rounded to `x.dtype` (HF
     builds its tables in the activation dtype) and the rotation itself runs in float32.
@@ -91,6 +88,6 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = xp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
     rotated = rotated.reshape(rot.shape).astype(x.dtype)
-    if in_place and xp is jnp:
-        return jnp.asarray(x).at[..., x.shape[-1] - 2 * half :].set(rotated)
+    if in_place and xp is not np:
+        return update_trailing(x, rotated)
     return xp.concatenate([nope, rotated], axis=-1)

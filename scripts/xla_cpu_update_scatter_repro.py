@@ -7,9 +7,9 @@ from the concatenation and from NumPy at B = 1 with two or more rows; eager it a
 with jax 0.10.2 and 0.12 (CPU). XLA fuses the update into a
 ``copy_dynamic-update-slice_fusion`` of shape [J, 1, 1, D] feeding the scatter; its result is
 wrong. The same happened with the queries' update feeding the Pallas kernel in interpret mode
-(the CPU tests). `apply_rope` therefore updates in place only where asked, and the layer asks
-only on the GPU (`backend.in_place_updates`; the GPU gates: the golden replays and the layer
-with and without the kernel, tests/test_sparse_attention_kernel.py).
+(the CPU tests). `apply_rope` therefore updates in place only where asked, and then only on
+CUDA (`backend.update_trailing`, by `platform_dependent`; the GPU gates: the golden replays and
+the layer with and without the kernel, tests/test_sparse_attention_kernel.py).
 
     python scripts/xla_cpu_update_scatter_repro.py      # prints "bug reproduced" while it exists
 """
