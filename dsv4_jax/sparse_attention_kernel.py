@@ -60,7 +60,7 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #   so one-row decode only; decode batches keep the XLA path (its gathers are amortised over
 #   the rows, and the kernel's per-program loop is not);
 #   prefill of 4096 tokens (results/h200_prefill_kernel_blocks3_2026-12-01.json):
-#     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5.5k   HCA: 1231 (same) against 2532
+#     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5473   HCA: 1231 (same) against 2532
 #   for prompts of at least PREFILL_MIN_ROWS queries (B * S; shorter calls were not measured),
 #   in 2-byte compute dtypes: those blocks need 193 KiB of shared memory in bf16 and more than
 #   the H200's 227 KiB in float32 (a float32 prefill keeps the XLA path unless forced).
