@@ -183,7 +183,15 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
 
 def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, block_keys, block_heads,
           num_warps, num_stages, splits, interpret, skip_masked_blocks=False):
-    """The pallas_call: `partials` (sinks None) or the finished output (sinks given, one split)."""
+    """The pallas_call over R query rows; row r reads the sources' row r // rows_per_source.
+
+    q [R, H, D]; pool [R / rows_per_source, P, D] with window_idx [R, W] (-1 = no key);
+    entries [R / rows_per_source, T, D] with entry_idx [R, K] (-1 = no key), or both None.
+    sinks None: per split, the un-normalised output and its softmax statistics, acc
+    [R, splits, H, D], m [R, splits, H] (-inf: the split saw no key) and total [R, splits, H]
+    (the sum of exp(s - m)), all float32, for `combine`. sinks [H] (one split only): the
+    finished output [R, H, D] in q's dtype, the sink merged in the kernel.
+    """
     r, h, d = q.shape
     bh = min(block_heads, h)
     widx = _pad_indices(window_idx.astype(jnp.int32), block_keys)
@@ -229,26 +237,6 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
         name="sparse_attention_kernel",
         **extra,
     )(*args)
-
-
-def partials(q: Array, pool: Array, window_idx: Array, entries: Array | None, entry_idx: Array | None, *,
-             rows_per_source: int = 1, block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
-             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, splits: int | None = None,
-             interpret: bool = False, skip_masked_blocks: bool = False):
-    """The kernel with its key blocks split over programs: per split, the un-normalised output
-    and its softmax statistics.
-
-    q [R, H, D] (R query rows; row r reads the sources' row r // rows_per_source);
-    pool [R / rows_per_source, P, D] with window_idx [R, W] (-1 = no key); entries
-    [R / rows_per_source, T, D] with entry_idx [R, K] (-1 = no key), or both None (sliding).
-    Returns acc [R, splits, H, D] float32, m [R, splits, H] float32 (-inf: the split saw no
-    key), total [R, splits, H] float32 (the sum of exp(s - m)).
-    """
-    if splits is None:
-        splits = default_splits(q, window_idx, entry_idx, block_keys, block_heads)
-    return _call(q, pool, window_idx, entries, entry_idx, None, rows_per_source=rows_per_source,
-                 block_keys=block_keys, block_heads=block_heads, num_warps=num_warps, num_stages=num_stages,
-                 splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks)
 
 
 def default_splits(q: Array, window_idx: Array, entry_idx: Array | None, block_keys: int, block_heads: int) -> int:
