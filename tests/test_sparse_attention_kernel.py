@@ -122,11 +122,7 @@ def test_the_cuda_default_table():
         assert sak.default_blocks(kind, batch or 3, phase, 4096)["block_keys"] == chosen[0]
 
 
-def _default_cases():
-    return [(kind, phase, batch) for kind, phase, batch in sak.CUDA_DEFAULT_BLOCKS]
-
-
-@pytest.mark.parametrize("kind, phase, batch", _default_cases())
+@pytest.mark.parametrize("kind, phase, batch", list(sak.CUDA_DEFAULT_BLOCKS))
 def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     """Each CUDA default: `sparse_attention` hands its blocks to the kernel for a bf16 call, and
     the kernel with those blocks equals the XLA path in float32 (interpret mode, which has no
