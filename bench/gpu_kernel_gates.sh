@@ -10,7 +10,7 @@
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 source "$(dirname "$0")/gpu_build.sh"
-timeout ${KERNEL_TIMEOUT:-330} python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
+timeout ${KERNEL_TIMEOUT:-450} python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
   tests/test_sparse_attention_kernel.py ${KERNEL_K:+-k "$KERNEL_K"} >"$OUT/gpu_tests_kernel.log" 2>&1
 echo "kernel tests rc=$?"
 grep -E "bf16|passed|failed|FAILED|Error" "$OUT/gpu_tests_kernel.log" | tail -24

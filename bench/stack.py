@@ -307,39 +307,50 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     """The module call against `jax.jit(attention_step)` on one CSA decode step (same inputs).
 
     Both run the same compiled executable; the module call adds its input checks, parameter
-    gathering and host length mirror. Medians over `repeats` x `steps` single blocked calls."""
+    gathering and host length mirror. Medians over `repeats` x `steps` single blocked calls.
+    The module call is timed with each finite-check mode (`check_finite` True, the default:
+    ``module_call_ms``; "host": ``module_call_host_check_ms``; False: ``module_call_no_check_ms``;
+    one layer of equal weights and its own cache each), interleaved with the jitted step at the
+    same positions, so that the check's share shows; ``max_abs_diff``: the largest difference of
+    the last step's outputs from the jitted step's. The layers keep the module's default,
+    ``donate_cache=False`` (the jitted step then does not donate either): a donating layer
+    checks device inputs before dispatch (`validation.finite_in_step`), a separate round trip."""
     cfg = plan_mod.config_for(size)
-    attn = measure.build_layer(cfg, plan_mod.layer_index(cfg, "csa"), dtype, seed)
-    attn.break_mode = "none"
+    layer_idx = plan_mod.layer_index(cfg, "csa")
     batch, context = 1, 64
     x = _hidden(cfg, batch, context, jnp.dtype(dtype), seed)
-    max_seq_len = _round_up(context + repeats * steps + 8)
-    cache = attn.init_cache(batch, max_seq_len)
-    _, cache = attn(x, np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)), cache)
     xs = _hidden(cfg, batch, 1, jnp.dtype(dtype), seed + 1)
+    max_seq_len = _round_up(context + repeats * steps + 8)
+    layers, caches, times = {}, {}, {}
+    for mode in (True, "host", False):
+        attn = layers[mode] = measure.build_layer(cfg, layer_idx, dtype, seed)
+        attn.break_mode, attn.check_finite, attn.donate_cache, times[mode] = "none", mode, False, []
+        _, caches[mode] = attn(x, np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
+                               attn.init_cache(batch, max_seq_len))
+    attn = layers[True]
     spec = attn.step_spec()
     step = attention_mod.step_function(attn.donate_cache)
-    raw_cache = measure.clone(cache).replace(length=jnp.asarray(cache.length), layer_idx=-1)
+    raw_cache = measure.clone(caches[True]).replace(length=jnp.asarray(caches[True].length), layer_idx=-1)
     weights = attn.step_weights()
-    module_t, raw_t = [], []
-    pos = context
-    for _ in range(repeats):
-        for _ in range(steps):
-            p = np.full((batch, 1), pos, np.int32)
+    raw_t, outs = [], {}
+    for i in range(repeats * steps):
+        p = np.full((batch, 1), context + i, np.int32)
+        for mode, layer in layers.items():
             t0 = time.perf_counter()
-            out, cache = attn(xs, p, cache)
-            jax.block_until_ready(out)
-            module_t.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            out2, raw_cache, _ = step(weights, raw_cache, xs, p, spec=spec)
-            jax.block_until_ready(out2)
-            raw_t.append(time.perf_counter() - t0)
-            pos += 1
-    module_ms, raw_ms = 1e3 * float(np.median(module_t)), 1e3 * float(np.median(raw_t))
+            outs[mode], caches[mode] = layer(xs, p, caches[mode])
+            jax.block_until_ready(outs[mode])
+            times[mode].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out, raw_cache, _ = step(weights, raw_cache, xs, p, spec=spec)
+        jax.block_until_ready(out)
+        raw_t.append(time.perf_counter() - t0)
+    module_ms, raw_ms = (1e3 * float(np.median(t)) for t in (times[True], raw_t))
+    diff = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - out.astype(jnp.float32)))) for o in outs.values())
     return {"scenario": "call_overhead", "size": size, "layer_type": "CSA", "batch": batch, "context_len": context,
             "module_call_ms": module_ms, "jit_step_ms": raw_ms, "overhead_ms": module_ms - raw_ms,
-            "ratio": module_ms / raw_ms, "samples": len(module_t),
-            "max_abs_diff": float(jnp.max(jnp.abs(out.astype(jnp.float32) - out2.astype(jnp.float32))))}
+            "module_call_host_check_ms": 1e3 * float(np.median(times["host"])),
+            "module_call_no_check_ms": 1e3 * float(np.median(times[False])),
+            "ratio": module_ms / raw_ms, "samples": len(raw_t), "max_abs_diff": diff, "donate_cache": False}
 
 
 # ---------------------------------------------------------------------------- the run
@@ -352,7 +363,11 @@ def environment() -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "date_utc": _dt.datetime.now(_dt.UTC).isoformat()}
 
 
-def run(args, write=None) -> tuple[list, dict]:
+def apply_kernel_switches(args) -> None:
+    """The A/B switches of the command line, set on the package's modules (read at trace time):
+    --dot-min-rows, --(no-)decode-kernel, --(no-)prefill-kernel, and --prefill-blocks, the
+    blocks of every prefill the kernel runs (the CUDA default table's prefill entries and a
+    forced kernel's)."""
     if getattr(args, "dot_min_rows", None) is not None:
         backend.DOT_MIN_ROWS = args.dot_min_rows
     if getattr(args, "no_decode_kernel", False):
@@ -363,8 +378,16 @@ def run(args, write=None) -> tuple[list, dict]:
         sparse_attention_mod.PREFILL_KERNEL = False
     elif getattr(args, "prefill_kernel", False):
         sparse_attention_mod.PREFILL_KERNEL = True
-    if getattr(args, "prefill_blocks", None):  # bk,bh,warps,stages[,skip] of a forced prefill kernel
-        sparse_attention_kernel.FORCED_BLOCKS["prefill"] = tuple(int(v) for v in args.prefill_blocks.split(","))
+    if getattr(args, "prefill_blocks", None):  # bk,bh,warps,stages[,skip]
+        blocks = tuple(int(v) for v in args.prefill_blocks.split(","))
+        sparse_attention_kernel.FORCED_BLOCKS["prefill"] = blocks
+        table = sparse_attention_kernel.CUDA_DEFAULT_BLOCKS
+        for key in [key for key in table if key[1] == "prefill"]:
+            table[key] = blocks
+
+
+def run(args, write=None) -> tuple[list, dict]:
+    apply_kernel_switches(args)
     switch_names = {None: "cuda default", True: "everywhere on cuda", False: "off"}
     cfg = stack_config(args.size, args.layers_per_stack)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -479,7 +502,10 @@ def markdown(records: list, meta: dict) -> str:
         if r.get("scenario") == "call_overhead":
             out.append(f"Module call vs `jax.jit(attention_step)` ({r['size']} CSA decode, B=1): "
                        f"{r['module_call_ms']:.3f} vs {r['jit_step_ms']:.3f} ms, ratio {r['ratio']:.2f}, "
-                       f"overhead {r['overhead_ms']:.3f} ms ({r['samples']} calls each)")
+                       f"overhead {r['overhead_ms']:.3f} ms ({r['samples']} calls each)"
+                       + ("" if "module_call_host_check_ms" not in r else
+                          f"; check_finite='host' {r['module_call_host_check_ms']:.3f} ms, "
+                          f"False {r['module_call_no_check_ms']:.3f} ms"))
     if meta.get("profiles"):
         from bench import kernel_profile
 
@@ -533,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-kernel", action="store_true",
                     help="the Pallas kernel on CUDA for every prefill shape it takes (PREFILL_KERNEL = True)")
     ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS,STAGES[,SKIP]",
-                    help="blocks of the forced prefill kernel (sparse_attention_kernel.FORCED_BLOCKS['prefill'])")
+                    help="blocks of every prefill the kernel runs (the CUDA default table's prefill entries "
+                         "and sparse_attention_kernel.FORCED_BLOCKS['prefill']); SKIP 1 = skip_masked_blocks")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx, struct
 
 from . import breaks, indexer, sharding, validation
-from .backend import QUERY_BLOCK, Array, einsum
+from .backend import QUERY_BLOCK, Array, einsum, to_host_memory
 from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows, real_tokens
 from .compressor import CompressorWeights, compress, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -443,11 +443,29 @@ def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
     return einsum("bsr,rh->bsh", z, weights.o_b_proj, out_dtype=dtype, precision=spec.precision)
 
 
+def finite_checked_step(weights: AttentionWeights, cache: AttentionCache, hidden_states, positions,
+                        spec: StepSpec):
+    """`attention_step` with the layer's finite check of `hidden_states` inside:
+    (out, new cache, intermediates, finite: bool scalar).
+
+    What an eager call on accelerator inputs runs (`validation.finite_in_step`): the verdict
+    comes back with the step (written by it into pinned host memory, `backend.to_host_memory`)
+    instead of a reduction and a device round trip of its own before dispatch. A non-finite
+    input is zeroed before the step reads it, so that nothing downstream (the native selection
+    kernels, a host break) ever sees a NaN; the caller discards the results of such a call and
+    raises (its cache is not donated: unchanged).
+    """
+    finite = jnp.all(jnp.isfinite(hidden_states))
+    safe = jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))
+    return (*attention_step(weights, cache, safe, positions, spec), to_host_memory(finite))
+
+
 # The compiled steps, module-level so that equal layers share compiled code (`StepSpec` static).
 _STEPS = {
     False: jax.jit(attention_step, static_argnames=("spec",)),
     True: jax.jit(attention_step, static_argnames=("spec",), donate_argnames=("cache",)),
 }
+_FINITE_CHECKED_STEP = jax.jit(finite_checked_step, static_argnames=("spec",))  # never donates
 
 
 def step_function(donate: bool = False):
@@ -464,7 +482,7 @@ def compiled_steps() -> int:
     """How many versions of the layer's step have been compiled so far in this process (both
     `step_function`s and their sharded twins, `sharding.step_function`; each call shape, dtype,
     mesh and static option compiles one)."""
-    steps = [*_STEPS.values(), *(sharding.step_function(d) for d in (False, True))]
+    steps = [*_STEPS.values(), _FINITE_CHECKED_STEP, *(sharding.step_function(d) for d in (False, True))]
     return sum(step._cache_size() for step in steps)
 
 
@@ -760,10 +778,11 @@ class DeepseekV4Attention(nnx.Module):
                     (bounds the memory of long prefills).
       donate_cache: donate the input cache's buffers to the step (in-place updates; the
                     cache passed in becomes unusable after a successful call).
-      check_finite: reject NaN/inf in `hidden_states` before dispatch: True (every concrete
-                    input; a device sync for device arrays), "host" (NumPy inputs only),
-                    False (none: NaN reaches the output and the cache). None (default):
-                    `dsv4_jax.validation.CHECK_FINITE`, which is True.
+      check_finite: reject NaN/inf in `hidden_states`: True (every concrete input; an
+                    accelerator array inside the step, its verdict read after it, or before
+                    dispatch with a device sync where the cache is donated), "host" (NumPy
+                    inputs only), False (none: NaN reaches the output and the cache). None
+                    (default): `dsv4_jax.validation.CHECK_FINITE`, which is True.
       checkify:     False (default) or True: under your own `jax.jit`, where the value checks
                     cannot run on the host, put them into the step as
                     `jax.experimental.checkify.check`s (each row's positions continue its
@@ -948,20 +967,25 @@ class DeepseekV4Attention(nnx.Module):
             if inputs is not None and structure is not None and memo.state == _layer_state(self):
                 hit = memo.entries.get((inputs, structure))
                 if hit is not None:  # the static checks passed for this structure: the value checks only
-                    before, after = validation.check_values(
-                        hidden_states, positions, cache.length, cache.max_seq_len,
-                        validation.CHECK_FINITE if self.check_finite is None else self.check_finite)
+                    finite = validation.CHECK_FINITE if self.check_finite is None else self.check_finite
+                    in_step = hit[1] is _STEPS[False] and validation.finite_in_step(hidden_states, finite)
+                    before, after = validation.check_values(hidden_states, positions, cache.length,
+                                                            cache.max_seq_len, False if in_step else finite)
                     if last is not None and last[2] == before and not getattr(last[3], "is_deleted", _not_deleted)():
                         device_length = last[3]  # the mirror still holds what the step returned
                     else:
                         device_length = _device_length(cache.length, before)
                     return self._run(memo, hit, hidden_states, positions, cache, return_intermediates,
-                                     before, after, device_length)
+                                     before, after, device_length, in_step)
         structure = _cache_key(cache)
         inputs = None if structure is None else _inputs_key(hidden_states, positions, return_intermediates)
         state = None if inputs is None else _layer_state(self)
+        # An accelerator input's finite check may go into the step (decided below, once the step
+        # is known): the value checks before dispatch leave it out, the same checks in the same order.
+        finite = validation.CHECK_FINITE if self.check_finite is None else self.check_finite
+        deferred = not self.donate_cache and validation.finite_in_step(hidden_states, finite)
         spec, host_length, new_tokens = validation.check_call(self, hidden_states, positions, cache,
-                                                              return_intermediates)
+                                                              return_intermediates, False if deferred else None)
         if host_length is None and self.checkify:  # traced: the value checks go into the step
             spec = dataclasses.replace(spec, checks=True)
         if spec.plan.layout is None and host_length is not None and sharding.mesh_of(cache) is not None:
@@ -986,18 +1010,23 @@ class DeepseekV4Attention(nnx.Module):
             if memo is None or memo.state != state or len(memo.entries) >= _MAX_CALL_KEYS:
                 memo = _CALLS[self] = _CallMemo(state)
             memo.entries[(inputs, structure)] = (spec, step)
+        in_step = deferred and step is _STEPS[False]
+        if deferred and not in_step:  # a sharded step: the check before dispatch after all
+            validation.check_finite("hidden_states", hidden_states, finite)
         before = host_length.tolist()
         after = advance_length(host_length, new_tokens).tolist()
         return self._run(memo, (spec, step), hidden_states, positions, cache, return_intermediates, before, after,
-                         _device_length(cache.length, before))
+                         _device_length(cache.length, before), in_step)
 
     def _run(self, memo, run, hidden_states, positions, cache: AttentionCache, return_intermediates,
-             before: list, after: list, device_length):
+             before: list, after: list, device_length, finite_in_step: bool = False):
         """Run the checked eager call: the compiled step, then the host length mirror.
 
         `run`: (spec, step); `before`/`after`: the lengths the checks read and the lengths after
         the call (lists); `device_length`: what the step gets for the length (the device twin of
-        the mirror where there is one, else the mirror)."""
+        the mirror where there is one, else the mirror); `finite_in_step`: run
+        `finite_checked_step` instead (the step is the non-donating one) and raise the finite
+        check's error, the results dropped, if its verdict says so (a wait for the step)."""
         spec, step = run
         # The layer index is checked and is no part of the computation: leave it out of the
         # compiled step's identity, so that layers of one type share one program.
@@ -1013,7 +1042,11 @@ class DeepseekV4Attention(nnx.Module):
                 probe = _WEIGHTS[self][0]  # the probe of the pytree `step_weights()` was made from
                 memo.weights = None if probe is None else (probe, weights)
         try:
-            out, new_cache, intermediates = step(weights, anonymous, hidden_states, positions, spec=spec)
+            if finite_in_step:
+                out, new_cache, intermediates, finite = _FINITE_CHECKED_STEP(weights, anonymous, hidden_states,
+                                                                             positions, spec=spec)
+            else:
+                out, new_cache, intermediates = step(weights, anonymous, hidden_states, positions, spec=spec)
         except Exception:
             with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
                 raise
@@ -1021,6 +1054,8 @@ class DeepseekV4Attention(nnx.Module):
         # checks need no device round trip; the step's own length is kept beside it.
         # (This runs while the device computes.)
         mirror = np.array(after, np.int32)
+        if finite_in_step and not bool(finite):  # nothing of the call is kept: the cache is the caller's
+            validation.reject_non_finite("hidden_states", hidden_states, ran=True)
         device_length = new_cache.length
         _remember_device_length(mirror, device_length, after)
         new_cache = _with(new_cache, cache.layer_idx, mirror)

@@ -77,6 +77,9 @@ def compress(
     pooled (fixed shapes: a decode step pools one window, not two) and window j of a row is
     written iff ``j < (length % m + count) // m``; the last window only feeds the buffer.
 
+    A call of one token (decode) builds no stream: its window 0 is the buffer with the token
+    in its slot, updated in place (`_one_token`); the same values.
+
     Shapes per step (Dc = entry width, n = 2 for CSA else 1):
       stream  [B, L*m, n*Dc]    buffered tokens, then the new ones, zero-padded
       windows [B, L, m, n*Dc]
@@ -108,11 +111,23 @@ def compress(
         zero = xp.zeros_like(fresh)
         return xp.where(from_buffer[..., None], old, xp.where(from_new[..., None], fresh, zero))
 
-    stream_kv = stream(state.buffer_kv, kv)  # [B, L*m, n*Dc]
-    stream_gate = stream(state.buffer_gate, gate)
-    win_kv = stream_kv.reshape(batch, n_windows, m, -1)  # [B, L, m, n*Dc]
+    def window_rows(a: Array, w: Array) -> Array:  # a: [B, L, m, X], w: [B] -> [B, m, X]
+        return xp.take_along_axis(a, w[:, None, None, None] + xp.zeros((1, 1, m, 1), np.int32), 1)[:, 0]
+
+    def unless_frozen(new: Array, old: Array) -> Array:  # [B, m, X]: m rows per batch row, cheap
+        return new if frozen is None else xp.where(frozen[:, None, None], old, new)
+
+    if seq == 1:
+        win_kv, raw_gate, buffer_kv, buffer_gate = _one_token(state, kv, gate, buffered, n_new, completed, frozen)
+    else:
+        stream_kv = stream(state.buffer_kv, kv)  # [B, L*m, n*Dc]
+        stream_gate = stream(state.buffer_gate, gate)
+        win_kv = stream_kv.reshape(batch, n_windows, m, -1)  # [B, L, m, n*Dc]
+        raw_gate = stream_gate.reshape(batch, n_windows, m, -1)
+        buffer_kv = unless_frozen(window_rows(win_kv, completed), state.buffer_kv)
+        buffer_gate = unless_frozen(window_rows(raw_gate, completed), state.buffer_gate)
     # The reference adds the float32 bias to the raw gate, so the logits are float32.
-    win_gate = stream_gate.reshape(batch, n_windows, m, -1).astype(np.float32) + position_bias.astype(np.float32)
+    win_gate = raw_gate.astype(np.float32) + position_bias.astype(np.float32)
     pool_kv, pool_gate = win_kv[:, :n_pooled], win_gate[:, :n_pooled]  # [B, P, m, n*Dc]
 
     if overlap:
@@ -143,19 +158,7 @@ def compress(
         write = write & ~frozen[:, None]
     write_at = xp.where(write, first_entry[:, None] + j, state.entries.shape[1])
     entries = scatter_rows(state.entries, write_at, pooled)
-
-    def window_rows(a: Array, w: Array) -> Array:  # a: [B, L, m, X], w: [B] -> [B, m, X]
-        return xp.take_along_axis(a, w[:, None, None, None] + xp.zeros((1, 1, m, 1), np.int32), 1)[:, 0]
-
-    def unless_frozen(new: Array, old: Array) -> Array:  # [B, m, X]: m rows per batch row, cheap
-        return new if frozen is None else xp.where(frozen[:, None, None], old, new)
-
-    new_state = state.replace(
-        entries=entries,
-        buffer_kv=unless_frozen(window_rows(win_kv, completed), state.buffer_kv),
-        buffer_gate=unless_frozen(window_rows(stream_gate.reshape(batch, n_windows, m, -1), completed),
-                                  state.buffer_gate),
-    )
+    new_state = state.replace(entries=entries, buffer_kv=buffer_kv, buffer_gate=buffer_gate)
     if overlap:
         last = xp.maximum(completed - 1, 0)
         any_new = (completed > 0)[:, None, None]
@@ -166,6 +169,40 @@ def compress(
             overlap_gate=xp.where(any_new, window_rows(win_gate[..., :dc], last), state.overlap_gate),
         )
     return new_state
+
+
+def _one_token(state: CompressorCache, kv: Array, gate: Array, buffered: Array, n_new, completed: Array,
+               frozen: Array | None):
+    """`compress`'s stream for a call of one token per row (decode), without building it.
+
+    The buffer holds zeros after its ``buffered`` tokens (every path keeps that invariant), so
+    window 0 of the stream is the buffer with the token in slot ``buffered``, and the window
+    after it is empty: read by a select inside the pooling, not gathered into a stream. The new
+    buffers are the old ones updated in place by two scatters: the token into its slot where
+    the window goes on, zeros over the row where it completes (their other rows' indices are
+    out of range, dropped; a frozen row writes nothing), instead of a select over every row.
+
+    kv, gate [B, 1, n*Dc]; buffered, completed [B]; n_new [B] or a scalar (0 or 1 per row)
+    -> window 0's kv and raw gate [B, 1, m, n*Dc], the new buffer_kv and buffer_gate [B, m, n*Dc].
+    """
+    xp = namespace(kv, gate, buffered)
+    batch, m = state.buffer_kv.shape[:2]
+    has_token = xp.broadcast_to(xp.asarray(n_new) > 0, (batch,))
+    token_slot = xp.arange(m, dtype=np.int32)[None, :, None] == buffered[:, None, None]  # [B, m, 1]
+    token_slot = token_slot & has_token[:, None, None]
+    win_kv = xp.where(token_slot, kv, state.buffer_kv)[:, None]
+    raw_gate = xp.where(token_slot, gate, state.buffer_gate)[:, None]
+
+    goes_on, clears = has_token & (completed == 0), completed > 0
+    if frozen is not None:
+        goes_on, clears = goes_on & ~frozen, clears & ~frozen
+    insert_at = xp.where(goes_on, buffered, m)[:, None]  # [B, 1]
+    clear_at = xp.where(clears, 0, m)[:, None] + xp.arange(m, dtype=np.int32)[None, :]  # [B, m]
+
+    def update(buffer: Array, token: Array) -> Array:
+        return scatter_rows(scatter_rows(buffer, insert_at, token), clear_at, xp.zeros_like(buffer))
+
+    return win_kv, raw_gate, update(state.buffer_kv, kv), update(state.buffer_gate, gate)
 
 
 def visible_entries(positions: Array, ratio: int) -> Array:

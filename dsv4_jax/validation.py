@@ -14,12 +14,15 @@ shapes and dtypes of the arrays, the cache's static fields and array shapes, the
 options); it remembers the structures that passed, and a later call of the same structure
 runs only the value checks (`check_values`), with the same rules, errors and order.
 
-Non-finite hidden_states (NaN, +-inf) are rejected before dispatch: let through, they would
-be written into the window and compressor caches and poison every later call. The check is
-a host scan for NumPy inputs (about 2 us for a decode token of 4096 values) and one jitted
-`isfinite().all()` reduction plus a device sync for `jax.Array` inputs (about 40 us on CPU;
-on an H200, V4-Flash decode, +0.2-0.7 ms per call, because the sync stops the host from
-dispatching ahead of the device; the README's misuse section has the measurements). It is
+Non-finite hidden_states (NaN, +-inf) are rejected: let through, they would be written into
+the window and compressor caches and poison every later call. The check is a host scan for
+NumPy and host-resident inputs (about 2 us for a decode token of 4096 values). An accelerator
+array is checked inside the compiled step (`finite_in_step`, `attention.finite_checked_step`):
+the step zeroes such an input, writes its verdict into pinned host memory, and the call reads
+it once the step is done, drops the results and raises the same error (the cache passed in
+is untouched). A layer that donates its cache cannot drop a call's results, so there the
+check stays one jitted `isfinite().all()` reduction and its read before dispatch (on an H200,
+V4-Flash decode, +0.4-0.5 ms per call; the README's misuse section has the measurements). It is
 set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
 ``attn.check_finite`` (None: the module-level `CHECK_FINITE`, True unless changed):
 
@@ -99,9 +102,12 @@ def check_cache(attn, cache: Any) -> None:
             )
 
 
-def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_intermediates: bool):
+def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_intermediates: bool,
+               finite: bool | str | None = None):
     """Validate one call; returns (the StepSpec to run, the length it checked, the call's real
     tokens per row), the last two None while tracing (the length is then the step's own).
+    `finite`: the finite check's mode, None for the layer's (False where the caller checks in
+    the step, `finite_in_step`).
 
     The length is the host value the checks ran against (int32 NumPy [B]); the caller's host
     mirror of the new length is `cache.advance_length` of it by the real tokens per row (int32
@@ -135,8 +141,9 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
 
     if is_tracer(positions) or is_tracer(cache.length):
         return spec, None, None  # values unknown while tracing: shapes and dtypes were checked
-    before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len,
-                                 CHECK_FINITE if attn.check_finite is None else attn.check_finite)
+    if finite is None:
+        finite = CHECK_FINITE if attn.check_finite is None else attn.check_finite
+    before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len, finite)
     length = np.array(before, np.int32)
     return spec, length, np.array(after, np.int32) - length
 
@@ -372,12 +379,34 @@ def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
         host = np.asarray(value)
     if host is not None and _finite_on_host(host):
         return
+    reject_non_finite(name, value)
+
+
+def finite_in_step(value: Any, mode: bool | str) -> bool:
+    """Whether the finite check of `value` under `mode` is one to run inside the compiled step
+    (a concrete `jax.Array` on an accelerator, mode True): there the verdict comes back with the
+    step's results (`attention.finite_checked_step`), instead of a separate reduction and device
+    round trip before dispatch. NumPy and host-resident inputs are scanned on the host."""
+    if mode is not True:
+        return False
+    kind = type(value)
+    if kind not in _JAX_TYPES:
+        if is_tracer(value) or not isinstance(value, jax.Array):
+            return False
+        _learn_jax_type(kind)
+    return not _host_resident(value)
+
+
+def reject_non_finite(name: str, value: Any, ran: bool = False) -> None:
+    """Raise the finite check's ValueError for `value` (read on the host), which holds a NaN/inf;
+    `ran`: the step ran on it (an in-step check) and its results were dropped."""
     host = np.asarray(value)
     bad = ~np.isfinite(host)
     first = tuple(int(i) for i in np.argwhere(bad)[0])
+    outcome = "its results were discarded" if ran else "the call was not run"
     raise ValueError(
         f"{name}: expected finite values, got {int(bad.sum())} non-finite of {host.size} (first at "
-        f"{list(first)}: {host[first]}); the call was not run, the cache is unchanged"
+        f"{list(first)}: {host[first]}); {outcome}, the cache is unchanged"
     )
 
 

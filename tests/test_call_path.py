@@ -443,3 +443,60 @@ def test_step_spec_hash_is_cached_and_equal_for_equal_specs():
     assert "_hash" not in vars(copy) and copy == spec and hash(copy) == hash(spec)
     changed = attention.dataclasses.replace(spec, checks=True)
     assert changed != spec and "_hash" not in vars(changed)
+
+
+def test_an_accelerator_input_is_checked_for_finite_values_inside_the_step(monkeypatch):
+    """On a GPU a device input's finite check runs in the compiled step (its verdict comes back
+    with the results, no reduction and round trip of its own before dispatch): here the CPU's
+    arrays are taken for device-resident ones. Same outputs and caches as the check before
+    dispatch; a NaN input raises the same error, the cache stays the caller's and usable; the
+    verdict's step compiles once for the layer's calls; a donating layer keeps the check before
+    dispatch."""
+    ran = []
+    real = attention._FINITE_CHECKED_STEP
+
+    class Counted:
+        def __call__(self, *args, **kwargs):
+            ran.append(1)
+            return real(*args, **kwargs)
+
+        def _cache_size(self):
+            return real._cache_size()
+
+    monkeypatch.setattr(attention, "_FINITE_CHECKED_STEP", Counted())
+    in_step = validation.finite_in_step
+    monkeypatch.setattr(validation, "finite_in_step", lambda value, mode: False)  # the check before dispatch
+    plain = _layer()
+    cache = _prefilled(plain)
+    want, want_cache = _decode(plain, cache, 3)
+    assert not ran
+
+    monkeypatch.setattr(validation, "finite_in_step", in_step)
+    monkeypatch.setattr(validation, "_host_resident", lambda value: False)  # on a GPU they are not
+    checked = _layer()
+    cache = _prefilled(checked)
+    assert len(ran) == 1  # the prefill ran the verdict's step
+    got, got_cache = _decode(checked, cache, 3)
+    assert len(ran) == 4
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    n = int(got_cache.length[0])
+    nan = _hidden(1).at[0, 0, 3].set(jnp.inf)
+    with pytest.raises(ValueError, match=r"hidden_states: expected finite values, got 1 non-finite of 64 \(first at "
+                                         r"\[0, 0, 3\]: inf\); its results were discarded, the cache is unchanged"):
+        checked(nan, _positions(n), got_cache)
+    compiled = attention.compiled_steps()
+    out, after = checked(_hidden(20), _positions(n), got_cache)  # the cache as it was: the call runs
+    assert attention.compiled_steps() == compiled and after.length.tolist() == [n + 1]
+    np.testing.assert_array_equal(np.asarray(out), _raw(checked, got_cache, _hidden(20), _positions(n))[0])
+
+    donating = _layer(donate_cache=True)
+    cache = _prefilled(donating)
+    count = len(ran)
+    with pytest.raises(ValueError, match=r"the call was not run, the cache is unchanged"):
+        donating(nan, _positions(PREFILL), cache)
+    _decode(donating, cache, 1)
+    assert len(ran) == count  # the donating step keeps its check before dispatch

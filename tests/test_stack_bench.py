@@ -32,6 +32,21 @@ def test_stack_interleaves_the_configs_layer_types():
         stack.stack_layer_indices(cfg, "hca", 99)
 
 
+def test_prefill_blocks_reach_every_prefill_the_kernel_runs(monkeypatch):
+    """`--prefill-blocks` A/B runs: the blocks replace the CUDA default table's prefill entries
+    too (a forced kernel's blocks alone would not reach a shape the table covers)."""
+    from dsv4_jax import sparse_attention_kernel as sak
+
+    monkeypatch.setattr(sak, "CUDA_DEFAULT_BLOCKS", dict(sak.CUDA_DEFAULT_BLOCKS))
+    monkeypatch.setattr(sak, "FORCED_BLOCKS", dict(sak.FORCED_BLOCKS))
+    stack.apply_kernel_switches(stack.build_parser().parse_args(["--prefill-blocks", "32,64,4,2,0"]))
+    want = {"block_keys": 32, "block_heads": 64, "num_warps": 4, "num_stages": 2, "skip_masked_blocks": False}
+    assert sak.default_blocks("csa", 1, "prefill", 4096) == want
+    assert sak.default_blocks("hca", 1, "prefill", 4096) == want
+    assert sak.forced_blocks("prefill") == want
+    assert sak.default_blocks("csa", 1) != want  # decode keeps its blocks
+
+
 # Through bench/run.py: the stack scenarios are handed to bench/stack.py.
 @background("stack bench", lambda workdir: [
     sys.executable, ROOT / "bench" / "run.py", "--size", "tiny", "--scenarios", "stack_decode,stack_prefill",

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One H200 call for issue 9's target table as the package stands: build; the prefill stacks
+# (PREFILL_STACKS, default csa; 4k and 16k) as an A/B of the package default against
+# --prefill-blocks OLD_BLOCKS (ORDER, default "default old default"; OLD_BLOCKS default
+# 64,64,8,3,0 = the prefill default before skip_masked_blocks); the decode stacks at B = 1, 32
+# and 2k, 16k (CSA x4, HCA x4; the package default, one process); the module call against the
+# jitted step (flash CSA decode). PREFILL=0 / DECODE=0 / CALL=0 leave a part out.
+#                                                      device run:  bash bench/gpu_targets.sh
+set -uo pipefail
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+PROF="--xla_enable_command_buffers_during_profiling=true"
+source "$(dirname "$0")/gpu_build.sh"
+mkdir -p "$OUT/logs"
+if [ "${PREFILL:-1}" = 1 ]; then
+  tag_flags() {  # default: the package's blocks; old: OLD_BLOCKS for every prefill the kernel runs
+    case $1 in old) echo "--prefill-blocks ${OLD_BLOCKS:-64,64,8,3,0}" ;; esac
+  }
+  source "$(dirname "$0")/gpu_stack_ab.sh"
+  ORDER=${ORDER:-default old default} stack_ab stack_prefill_targets stack_prefill "csa/prefill:4096" \
+    --stacks "${PREFILL_STACKS:-csa}" --prefills "${PREFILLS:-4096,16384}"
+fi
+if [ "${DECODE:-1}" = 1 ]; then
+  XLA_FLAGS="$PROF" timeout ${STACK_TIMEOUT:-200} python3 bench/stack.py --size flash --scenarios stack_decode \
+    --stacks "${DECODE_STACKS:-csa,hca}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-2048,16384}" \
+    ${DECODE_ARGS:-} --json "$OUT/h200_stack_decode_targets.json" >"$OUT/logs/decode.log" 2>&1
+  echo "decode stacks rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_decode\|Error" "$OUT/logs/decode.log" | head -10
+fi
+if [ "${CALL:-1}" = 1 ]; then
+  timeout ${CALL_TIMEOUT:-90} python3 bench/stack.py --size flash --call-overhead-only --call-overhead-size flash \
+    --json "$OUT/h200_call_overhead.json" >"$OUT/logs/call_overhead.log" 2>&1
+  echo "call overhead rc=$?"; tail -2 "$OUT/logs/call_overhead.log"
+fi
+(cd "$OUT" && tar czf logs.tar.gz logs && rm -rf logs)
+echo "total: $(( $(date +%s) - t0 )) s"
