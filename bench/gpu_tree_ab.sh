@@ -5,6 +5,8 @@
 #   ORDER    tags in the order they run, "new" = the tree, "old" = with AB_DIR's files (default
 #            "new old new": a drift of the machine shows as two different "new" rows)
 #   STACKS, BATCHES, CONTEXTS: bench/stack.py's --stacks / --batches / --contexts (csa / 1,32 / 16384)
+#   PROFILE  B:CTX (e.g. 32:16384): every run also profiles that case of its first stack (kernels by
+#            stage in its JSON and log; bench/stack.py keeps command buffers on while profiling)
 #                                   device run:  bash bench/gpu_tree_ab.sh    (records in $OUT)
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -22,7 +24,7 @@ use() {  # $1: old | new
 i=0
 for tag in ${ORDER:-new old new}; do
   i=$((i + 1)); use "$tag"
-  timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
+  timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py ${PROFILE:+--profile $PROFILE} --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
     --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" --json "$OUT/h200_stack_ab_${i}_$tag.json" \
     >"$OUT/stack_ab_${i}_$tag.log" 2>&1
   echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -6

@@ -967,7 +967,7 @@ class DeepseekV4Attention(nnx.Module):
             if inputs is not None and structure is not None and memo.state == _layer_state(self):
                 hit = memo.entries.get((inputs, structure))
                 if hit is not None:  # the static checks passed for this structure: the value checks only
-                    finite = validation.CHECK_FINITE if self.check_finite is None else self.check_finite
+                    finite = validation.finite_mode(self)
                     in_step = hit[1] is _STEPS[False] and validation.finite_in_step(hidden_states, finite)
                     before, after = validation.check_values(hidden_states, positions, cache.length,
                                                             cache.max_seq_len, False if in_step else finite)
@@ -982,7 +982,7 @@ class DeepseekV4Attention(nnx.Module):
         state = None if inputs is None else _layer_state(self)
         # An accelerator input's finite check may go into the step (decided below, once the step
         # is known): the value checks before dispatch leave it out, the same checks in the same order.
-        finite = validation.CHECK_FINITE if self.check_finite is None else self.check_finite
+        finite = validation.finite_mode(self)
         deferred = not self.donate_cache and validation.finite_in_step(hidden_states, finite)
         spec, host_length, new_tokens = validation.check_call(self, hidden_states, positions, cache,
                                                               return_intermediates, False if deferred else None)

@@ -142,7 +142,7 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
     if is_tracer(positions) or is_tracer(cache.length):
         return spec, None, None  # values unknown while tracing: shapes and dtypes were checked
     if finite is None:
-        finite = CHECK_FINITE if attn.check_finite is None else attn.check_finite
+        finite = finite_mode(attn)
     before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len, finite)
     length = np.array(before, np.int32)
     return spec, length, np.array(after, np.int32) - length
@@ -341,6 +341,11 @@ def is_concrete_array(value: Any) -> bool:
         _CONCRETE_TYPES.add(kind)
         return True
     return False
+
+
+def finite_mode(attn) -> bool | str:
+    """The layer's finite-check mode: `attn.check_finite`, or `CHECK_FINITE` where that is None."""
+    return CHECK_FINITE if attn.check_finite is None else attn.check_finite
 
 
 def check_finite_mode(mode: Any) -> None:
