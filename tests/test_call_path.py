@@ -452,13 +452,15 @@ def test_an_accelerator_input_is_checked_for_finite_values_inside_the_step(monke
     dispatch; a NaN input raises the same error, the cache stays the caller's and usable; the
     verdict's step compiles once for the layer's calls; a donating layer keeps the check before
     dispatch."""
-    ran = []
+    ran, kinds = [], set()
     real = attention._FINITE_CHECKED_STEP
 
     class Counted:
         def __call__(self, *args, **kwargs):
             ran.append(1)
-            return real(*args, **kwargs)
+            result = real(*args, **kwargs)
+            kinds.add(result[3].sharding.memory_kind)
+            return result
 
         def _cache_size(self):
             return real._cache_size()
@@ -478,6 +480,7 @@ def test_an_accelerator_input_is_checked_for_finite_values_inside_the_step(monke
     assert len(ran) == 1  # the prefill ran the verdict's step
     got, got_cache = _decode(checked, cache, 3)
     assert len(ran) == 4
+    assert kinds == {"pinned_host"}  # the verdict written to host memory by the step (CPU and GPU have it)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
