@@ -86,7 +86,7 @@ def compress(
       slots   [B, P, 2m or m, Dc] -> softmax over slots (float32) -> pooled [B, P, Dc]
     """
     xp = namespace(kv, gate, length)
-    batch, seq, _ = kv.shape
+    seq = kv.shape[1]
     m = ratio
     dtype = kv.dtype
     dc = kv_norm.shape[-1]
@@ -98,34 +98,8 @@ def compress(
     n_new = np.int32(seq) if count is None else count.astype(np.int32)  # [B] (or S) real tokens
     completed = (buffered + n_new) // m  # [B] windows this call completes
 
-    # Stream slot i holds position first_entry*m + i: buffer rows first, then new tokens.
-    slot = xp.arange(n_windows * m, dtype=np.int32)[None, :]  # [1, L*m]
-    from_buffer = slot < buffered[:, None]
-    new_idx = slot - buffered[:, None]
-    # A ragged row's padded slots are not part of its stream: zeros, as past the end of a call.
-    from_new = (new_idx >= 0) & (new_idx < (n_new if count is None else n_new[:, None]))
-
-    def stream(buffer: Array, new: Array) -> Array:
-        old = xp.take_along_axis(buffer, xp.clip(slot, 0, m - 1)[..., None], 1)
-        fresh = xp.take_along_axis(new, xp.clip(new_idx, 0, seq - 1)[..., None], 1)
-        zero = xp.zeros_like(fresh)
-        return xp.where(from_buffer[..., None], old, xp.where(from_new[..., None], fresh, zero))
-
-    def window_rows(a: Array, w: Array) -> Array:  # a: [B, L, m, X], w: [B] -> [B, m, X]
-        return xp.take_along_axis(a, w[:, None, None, None] + xp.zeros((1, 1, m, 1), np.int32), 1)[:, 0]
-
-    def unless_frozen(new: Array, old: Array) -> Array:  # [B, m, X]: m rows per batch row, cheap
-        return new if frozen is None else xp.where(frozen[:, None, None], old, new)
-
-    if seq == 1:
-        win_kv, raw_gate, buffer_kv, buffer_gate = _one_token(state, kv, gate, buffered, n_new, completed, frozen)
-    else:
-        stream_kv = stream(state.buffer_kv, kv)  # [B, L*m, n*Dc]
-        stream_gate = stream(state.buffer_gate, gate)
-        win_kv = stream_kv.reshape(batch, n_windows, m, -1)  # [B, L, m, n*Dc]
-        raw_gate = stream_gate.reshape(batch, n_windows, m, -1)
-        buffer_kv = unless_frozen(window_rows(win_kv, completed), state.buffer_kv)
-        buffer_gate = unless_frozen(window_rows(raw_gate, completed), state.buffer_gate)
+    build = _one_token if seq == 1 else _streamed
+    win_kv, raw_gate, buffer_kv, buffer_gate = build(state, kv, gate, buffered, n_new, completed, frozen)
     # The reference adds the float32 bias to the raw gate, so the logits are float32.
     win_gate = raw_gate.astype(np.float32) + position_bias.astype(np.float32)
     pool_kv, pool_gate = win_kv[:, :n_pooled], win_gate[:, :n_pooled]  # [B, P, m, n*Dc]
@@ -165,10 +139,51 @@ def compress(
         if frozen is not None:
             any_new = any_new & ~frozen[:, None, None]
         new_state = new_state.replace(
-            overlap_kv=xp.where(any_new, window_rows(win_kv[..., :dc], last), state.overlap_kv),
-            overlap_gate=xp.where(any_new, window_rows(win_gate[..., :dc], last), state.overlap_gate),
+            overlap_kv=xp.where(any_new, _window_rows(win_kv[..., :dc], last), state.overlap_kv),
+            overlap_gate=xp.where(any_new, _window_rows(win_gate[..., :dc], last), state.overlap_gate),
         )
     return new_state
+
+
+def _streamed(state: CompressorCache, kv: Array, gate: Array, buffered: Array, n_new, completed: Array,
+              frozen: Array | None):
+    """`compress`'s stream of a call: the buffered tokens, then the call's real ones, zero-padded
+    to whole windows (stream slot i holds position ``(length // m) * m + i``).
+
+    kv, gate [B, S, n*Dc]; buffered, completed [B]; n_new [B] (a ragged call's real tokens) or
+    the scalar S -> the windows' kv and raw gate [B, L, m, n*Dc], the new buffer_kv and
+    buffer_gate [B, m, n*Dc] (the window the call leaves unfinished; a frozen row's unchanged).
+    """
+    xp = namespace(kv, gate, buffered)
+    batch, seq, _ = kv.shape
+    m = state.buffer_kv.shape[1]
+    n_windows = (m - 1 + seq) // m + 1
+    slot = xp.arange(n_windows * m, dtype=np.int32)[None, :]  # [1, L*m]
+    from_buffer = slot < buffered[:, None]
+    new_idx = slot - buffered[:, None]
+    # A ragged row's padded slots are not part of its stream: zeros, as past the end of a call.
+    from_new = (new_idx >= 0) & (new_idx < (n_new if np.ndim(n_new) == 0 else n_new[:, None]))
+
+    def windows(buffer: Array, new: Array) -> Array:  # [B, L, m, n*Dc]
+        old = xp.take_along_axis(buffer, xp.clip(slot, 0, m - 1)[..., None], 1)
+        fresh = xp.take_along_axis(new, xp.clip(new_idx, 0, seq - 1)[..., None], 1)
+        zero = xp.zeros_like(fresh)
+        stream = xp.where(from_buffer[..., None], old, xp.where(from_new[..., None], fresh, zero))
+        return stream.reshape(batch, n_windows, m, -1)
+
+    def unless_frozen(new: Array, old: Array) -> Array:  # [B, m, X]: m rows per batch row, cheap
+        return new if frozen is None else xp.where(frozen[:, None, None], old, new)
+
+    win_kv, raw_gate = windows(state.buffer_kv, kv), windows(state.buffer_gate, gate)
+    return (win_kv, raw_gate, unless_frozen(_window_rows(win_kv, completed), state.buffer_kv),
+            unless_frozen(_window_rows(raw_gate, completed), state.buffer_gate))
+
+
+def _window_rows(a: Array, w: Array) -> Array:
+    """Window w[b] of each row: a [B, L, m, X], w [B] -> [B, m, X]."""
+    xp = namespace(a, w)
+    m = a.shape[2]
+    return xp.take_along_axis(a, w[:, None, None, None] + xp.zeros((1, 1, m, 1), np.int32), 1)[:, 0]
 
 
 def _one_token(state: CompressorCache, kv: Array, gate: Array, buffered: Array, n_new, completed: Array,
