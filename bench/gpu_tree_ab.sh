@@ -2,8 +2,9 @@
 # One H200 call: the V4-Flash stacks of the working tree against the same tree with some files
 # replaced by saved versions (A/B of a Python or csrc/ change in one session, on one machine).
 #   AB_DIR   files at their paths relative to the repository root (default build/ab_old: carry it)
-#   ORDER    tags in the order they run, "new" = the tree, "old" = with AB_DIR's files (default
-#            "new old new": a drift of the machine shows as two different "new" rows)
+#   ORDER    tags in the order they run, "new" = the tree, "old" = with AB_DIR's files, any other
+#            tag T = with build/ab_T's files (carry those too) (default "new old new": a drift of
+#            the machine shows as two different "new" rows)
 #   STACKS, BATCHES, CONTEXTS: bench/stack.py's --stacks / --batches / --contexts (csa / 1,32 / 16384)
 #   PROFILE  B:CTX (e.g. 32:16384): every run also profiles that case of its first stack (kernels by
 #            stage in its JSON and log; bench/stack.py keeps command buffers on while profiling)
@@ -12,17 +13,23 @@ set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 AB_DIR=${AB_DIR:-build/ab_old}
 source "$(dirname "$0")/gpu_build.sh"
+ORDER=${ORDER:-new old new}
+variant_dir() { case $1 in new) echo "" ;; old) echo "$AB_DIR" ;; *) echo "build/ab_$1" ;; esac; }
 saved=/tmp/ab_tree_saved; rm -rf "$saved"; mkdir -p "$saved"
-(cd "$AB_DIR" && find . -type f) | while read -r f; do mkdir -p "$saved/$(dirname "$f")"; cp "$f" "$saved/$f"; done
-use() {  # $1: old | new
-  local src=$saved; [ "$1" = old ] && src=$AB_DIR
-  (cd "$src" && find . -type f) | while read -r f; do cp "$src/$f" "$f"; done
-  if (cd "$AB_DIR" && find . -type f) | grep -q "^./csrc/"; then
+for tag in $ORDER; do  # the tree's own version of every file some variant replaces
+  d=$(variant_dir "$tag"); [ -n "$d" ] || continue
+  (cd "$d" && find . -type f) | while read -r f; do mkdir -p "$saved/$(dirname "$f")"; cp "$f" "$saved/$f"; done
+done
+use() {  # $1: a tag of ORDER
+  (cd "$saved" && find . -type f) | while read -r f; do cp "$saved/$f" "$f"; done
+  local d; d=$(variant_dir "$1")
+  if [ -n "$d" ]; then (cd "$d" && find . -type f) | while read -r f; do cp "$d/$f" "$f"; done; fi
+  if (cd "$saved" && find . -type f) | grep -q "^./csrc/"; then
     python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build_$1.log" 2>&1
   fi
 }
 i=0
-for tag in ${ORDER:-new old new}; do
+for tag in $ORDER; do
   i=$((i + 1)); use "$tag"
   timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py ${PROFILE:+--profile $PROFILE} --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
     --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" --json "$OUT/h200_stack_ab_${i}_$tag.json" \

@@ -314,7 +314,7 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     same positions, so that the check's share shows; ``max_abs_diff``: the largest difference of
     the last step's outputs from the jitted step's. The layers keep the module's default,
     ``donate_cache=False`` (the jitted step then does not donate either): a donating layer
-    checks device inputs before dispatch (`validation.finite_in_step`), a separate round trip."""
+    checks device inputs before dispatch (`validation.finite_deferred`), a separate round trip."""
     cfg = plan_mod.config_for(size)
     layer_idx = plan_mod.layer_index(cfg, "csa")
     batch, context = 1, 64

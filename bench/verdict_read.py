@@ -3,8 +3,9 @@
     python bench/verdict_read.py --json $OUT/verdict_read.json      # on the H200
     python bench/verdict_read.py --quick                            # CPU smoke
 
-The layer's eager call on accelerator inputs runs its finite check inside the step
-(`attention.finite_checked_step`) and must read the verdict before it returns. A step of
+The layer's eager call on accelerator inputs reads a finite verdict before it returns (it ran
+inside the step, `finite_checked_step`, when this was measured; since then a small program
+before the step writes it, `attention.finite_guard`, so its read overlaps the step). A step of
 matmuls (about 1 ms on an H200 at the default sizes) returns (out, verdict); each way of
 reading is timed per call, dispatch to verdict known, blocked, median of `--reps` calls after
 a warm-up (the compile excluded), against blocking on `out` alone (`block`, the peer: what a

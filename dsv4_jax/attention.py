@@ -38,7 +38,7 @@ from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .indexer import IndexerWeights, head_weights, index_queries
 from .norms import head_rms_norm, rms_norm
 from .rope import apply_rope, attention_factor, inv_freq
-from .sparse_attention import insert_window, sparse_attention, window_indices
+from .sparse_attention import insert_window, key_pool, sparse_attention
 
 
 # ---------------------------------------------------------------------------- pytrees
@@ -353,9 +353,10 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     entries = stages.compressor.entries if stages.compressor is not None else None
     visible = visible_entries(positions, spec.ratio) if spec.layer_type != SLIDING else None
     with jax.named_scope("sparse_attention"):
-        pool = jnp.concatenate([cache.window, stages.kv], axis=1)  # [B, W+S, D]
+        pool, window_idx, in_place = key_pool(cache.window, stages.window, stages.kv, positions, length,
+                                              cfg.sliding_window)
         attended = sparse_attention(
-            stages.q, pool, window_indices(positions, length, cfg.sliding_window), weights.sinks,
+            stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
             entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
             block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
         )
@@ -443,21 +444,19 @@ def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
     return einsum("bsr,rh->bsh", z, weights.o_b_proj, out_dtype=dtype, precision=spec.precision)
 
 
-def finite_checked_step(weights: AttentionWeights, cache: AttentionCache, hidden_states, positions,
-                        spec: StepSpec):
-    """`attention_step` with the layer's finite check of `hidden_states` inside:
-    (out, new cache, intermediates, finite: bool scalar).
+def finite_guard(hidden_states):
+    """The finite check of an eager call's accelerator input, run as its own small program just
+    before the step (`validation.finite_deferred`): (finite: bool scalar, written into pinned
+    host memory (`backend.to_host_memory`), hidden_states with a non-finite input zeroed).
 
-    What an eager call on accelerator inputs runs (`validation.finite_in_step`): the verdict
-    comes back with the step (written by it into pinned host memory, `backend.to_host_memory`)
-    instead of a reduction and a device round trip of its own before dispatch. A non-finite
-    input is zeroed before the step reads it, so that nothing downstream (the native selection
-    kernels, a host break) ever sees a NaN; the caller discards the results of such a call and
-    raises (its cache is not donated: unchanged).
+    The step runs on the guarded input, so nothing downstream (the native selection kernels, a
+    host break) ever sees a NaN; the call reads the verdict after dispatching the step and, if
+    it says so, drops the step's results and raises (the cache is not donated: unchanged). The
+    verdict is ready as soon as this program is, so its read overlaps the step instead of
+    waiting for it (a read after the step cost ~0.14 ms a call on the H200; bench/RESULTS.md).
     """
     finite = jnp.all(jnp.isfinite(hidden_states))
-    safe = jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))
-    return (*attention_step(weights, cache, safe, positions, spec), to_host_memory(finite))
+    return to_host_memory(finite), jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))
 
 
 # The compiled steps, module-level so that equal layers share compiled code (`StepSpec` static).
@@ -465,7 +464,7 @@ _STEPS = {
     False: jax.jit(attention_step, static_argnames=("spec",)),
     True: jax.jit(attention_step, static_argnames=("spec",), donate_argnames=("cache",)),
 }
-_FINITE_CHECKED_STEP = jax.jit(finite_checked_step, static_argnames=("spec",))  # never donates
+_FINITE_GUARD = jax.jit(finite_guard)
 
 
 def step_function(donate: bool = False):
@@ -482,7 +481,7 @@ def compiled_steps() -> int:
     """How many versions of the layer's step have been compiled so far in this process (both
     `step_function`s and their sharded twins, `sharding.step_function`; each call shape, dtype,
     mesh and static option compiles one)."""
-    steps = [*_STEPS.values(), _FINITE_CHECKED_STEP, *(sharding.step_function(d) for d in (False, True))]
+    steps = [*_STEPS.values(), *(sharding.step_function(d) for d in (False, True))]
     return sum(step._cache_size() for step in steps)
 
 
@@ -968,22 +967,22 @@ class DeepseekV4Attention(nnx.Module):
                 hit = memo.entries.get((inputs, structure))
                 if hit is not None:  # the static checks passed for this structure: the value checks only
                     finite = validation.finite_mode(self)
-                    in_step = hit[1] is _STEPS[False] and validation.finite_in_step(hidden_states, finite)
+                    deferred = hit[1] is _STEPS[False] and validation.finite_deferred(hidden_states, finite)
                     before, after = validation.check_values(hidden_states, positions, cache.length,
-                                                            cache.max_seq_len, False if in_step else finite)
+                                                            cache.max_seq_len, False if deferred else finite)
                     if last is not None and last[2] == before and not getattr(last[3], "is_deleted", _not_deleted)():
                         device_length = last[3]  # the mirror still holds what the step returned
                     else:
                         device_length = _device_length(cache.length, before)
                     return self._run(memo, hit, hidden_states, positions, cache, return_intermediates,
-                                     before, after, device_length, in_step)
+                                     before, after, device_length, deferred)
         structure = _cache_key(cache)
         inputs = None if structure is None else _inputs_key(hidden_states, positions, return_intermediates)
         state = None if inputs is None else _layer_state(self)
-        # An accelerator input's finite check may go into the step (decided below, once the step
-        # is known): the value checks before dispatch leave it out, the same checks in the same order.
+        # An accelerator input's finite check may be read after dispatch (decided below, once the
+        # step is known): the value checks before dispatch leave it out, the same checks in the same order.
         finite = validation.finite_mode(self)
-        deferred = not self.donate_cache and validation.finite_in_step(hidden_states, finite)
+        deferred = not self.donate_cache and validation.finite_deferred(hidden_states, finite)
         spec, host_length, new_tokens = validation.check_call(self, hidden_states, positions, cache,
                                                               return_intermediates, False if deferred else None)
         if host_length is None and self.checkify:  # traced: the value checks go into the step
@@ -1010,23 +1009,23 @@ class DeepseekV4Attention(nnx.Module):
             if memo is None or memo.state != state or len(memo.entries) >= _MAX_CALL_KEYS:
                 memo = _CALLS[self] = _CallMemo(state)
             memo.entries[(inputs, structure)] = (spec, step)
-        in_step = deferred and step is _STEPS[False]
-        if deferred and not in_step:  # a sharded step: the check before dispatch after all
+        if deferred and step is not _STEPS[False]:  # a sharded step: the check before dispatch after all
             validation.check_finite("hidden_states", hidden_states, finite)
+            deferred = False
         before = host_length.tolist()
         after = advance_length(host_length, new_tokens).tolist()
         return self._run(memo, (spec, step), hidden_states, positions, cache, return_intermediates, before, after,
-                         _device_length(cache.length, before), in_step)
+                         _device_length(cache.length, before), deferred)
 
     def _run(self, memo, run, hidden_states, positions, cache: AttentionCache, return_intermediates,
-             before: list, after: list, device_length, finite_in_step: bool = False):
+             before: list, after: list, device_length, finite_deferred: bool = False):
         """Run the checked eager call: the compiled step, then the host length mirror.
 
         `run`: (spec, step); `before`/`after`: the lengths the checks read and the lengths after
         the call (lists); `device_length`: what the step gets for the length (the device twin of
-        the mirror where there is one, else the mirror); `finite_in_step`: run
-        `finite_checked_step` instead (the step is the non-donating one) and raise the finite
-        check's error, the results dropped, if its verdict says so (a wait for the step)."""
+        the mirror where there is one, else the mirror); `finite_deferred`: run `finite_guard`
+        first and the step (the non-donating one) on its output, then raise the finite check's
+        error, the results dropped, if its verdict says so."""
         spec, step = run
         # The layer index is checked and is no part of the computation: leave it out of the
         # compiled step's identity, so that layers of one type share one program.
@@ -1042,11 +1041,10 @@ class DeepseekV4Attention(nnx.Module):
                 probe = _WEIGHTS[self][0]  # the probe of the pytree `step_weights()` was made from
                 memo.weights = None if probe is None else (probe, weights)
         try:
-            if finite_in_step:
-                out, new_cache, intermediates, finite = _FINITE_CHECKED_STEP(weights, anonymous, hidden_states,
-                                                                             positions, spec=spec)
-            else:
-                out, new_cache, intermediates = step(weights, anonymous, hidden_states, positions, spec=spec)
+            step_input = hidden_states
+            if finite_deferred:
+                finite, step_input = _FINITE_GUARD(hidden_states)
+            out, new_cache, intermediates = step(weights, anonymous, step_input, positions, spec=spec)
         except Exception:
             with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
                 raise
@@ -1054,7 +1052,7 @@ class DeepseekV4Attention(nnx.Module):
         # checks need no device round trip; the step's own length is kept beside it.
         # (This runs while the device computes.)
         mirror = np.array(after, np.int32)
-        if finite_in_step and not bool(finite):  # nothing of the call is kept: the cache is the caller's
+        if finite_deferred and not bool(finite):  # nothing of the call is kept: the cache is the caller's
             validation.reject_non_finite("hidden_states", hidden_states, ran=True)
         device_length = new_cache.length
         _remember_device_length(mirror, device_length, after)

@@ -58,6 +58,31 @@ def window_indices(positions: Array, length: Array, window: int) -> Array:
     return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
 
 
+def key_pool(window_before: Array, window_after: Array, keys: Array, positions: Array, length: Array,
+             window: int) -> tuple[Array, Array, bool]:
+    """The array a call's queries read their window keys from, their indices into it, and
+    whether those indices are the array's own slots (`sparse_attention`'s `window_in_place`).
+
+    window_before, window_after [B, W, D]: the window cache before and after the call's
+    insert; keys [B, S, D] the call's rotated keys; positions [B, S]; length [B].
+
+    * Decode (S = 1, keys in the cache's dtype): the cache after the insert, [B, W, D], which
+      holds the query's window, its key and the W - 1 before it, one per slot (slot p % W);
+      indices in slot order: slot j, or -1 while it holds no position yet (j > t). The
+      window's keys are a set: the attention is the same in any order (up to the order of
+      float sums). Reading the updated cache leaves the insert as the only use of the old one,
+      so XLA writes the key in place instead of copying the cache for a reader; no pool is
+      concatenated and the XLA path gathers nothing. (A row whose call overflows
+      `max_seq_len` is written nothing and reads stale keys; its output is NaN by contract,
+      `cache.overflows`.)
+    * Otherwise: ``[window_before | keys]`` [B, W+S, D] and `window_indices` (ascending positions).
+    """
+    if keys.shape[1] == 1 and window_after.dtype == keys.dtype:
+        slot = jnp.arange(window, dtype=jnp.int32)
+        return window_after, jnp.where(slot <= positions[..., None], slot, -1).astype(jnp.int32), True
+    return jnp.concatenate([window_before, keys], axis=1), window_indices(positions, length, window), False
+
+
 def insert_window(window_cache: Array, kv: Array, length: Array, frozen: Array | None = None,
                   count: Array | None = None) -> Array:
     """Write each row's last ``min(count, W)`` real rotated keys into their ring slots ``p % W``.
@@ -100,12 +125,14 @@ def sparse_attention(
     block: int = QUERY_BLOCK,
     precision=None,
     with_mass: bool = False,
+    window_in_place: bool = False,
 ) -> AttentionOutput:
     """Attention of each query over its window keys and its compressed entries, with sinks.
 
     q          [B, S, H, D]  rotated, normed queries (compute dtype)
-    pool       [B, W+S, D]   window cache then this call's rotated keys
-    window_idx [B, S, W]     int32 pool indices, -1 = no key (from `window_indices`)
+    pool       [B, P, D]     the keys the window indices point into: [window cache | this
+                             call's rotated keys] (P = W+S), or (decode) the updated cache (P = W)
+    window_idx [B, S, W]     int32 pool indices, -1 = no key (from `window_indices` or `key_pool`)
     sinks      [H]           float32 sink logits
     entries    [B, T, D]     compressed entries (CSA/HCA), or None (sliding)
     picks      [B, S, K]     CSA: entry indices to attend, -1 = nothing
@@ -113,9 +140,11 @@ def sparse_attention(
     returns    `AttentionOutput`: o [B, S, H, D] and, if `with_mass`, the share of each
                query's attention on the sink, the window and the compressed entries (each
                float32 [B, S, H]; None otherwise)
+    window_in_place: `window_idx[b, s, j]` is j or -1 (`key_pool`'s decode pool, S = 1): the
+               XLA path reads the pool as the window keys, masked, instead of gathering a copy
     """
     xla = functools.partial(_xla_path, entries=entries, picks=picks, visible=visible, block=block,
-                            precision=precision, with_mass=with_mass)
+                            precision=precision, with_mass=with_mass, window_in_place=window_in_place)
     if not with_mass:
         o = _kernel_path(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible,
                          xla=lambda *a: xla(*a).o)
@@ -149,7 +178,7 @@ def _kernel_path(q, pool, window_idx, sinks, *, entries, picks, visible, xla) ->
 
 
 def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, precision,
-              with_mass) -> AttentionOutput:
+              with_mass, window_in_place=False) -> AttentionOutput:
     """`sparse_attention` by XLA: the keys gathered into arrays, logits, softmax, sums."""
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5
@@ -157,7 +186,10 @@ def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, pre
 
     def block_fn(qb, widx, sel, pool_, sinks_, ents):
         # Each part: (float32 logits [B, s, H, n], allowed mask, einsum for the values, values).
-        kw = jnp.take_along_axis(pool_[:, None], jnp.maximum(widx, 0)[..., None], axis=2)  # [B, s, W, D]
+        if window_in_place:  # the pool is the window, slot j at index j (one query per row)
+            kw = pool_[:, None]  # [B, 1, W, D]
+        else:
+            kw = jnp.take_along_axis(pool_[:, None], jnp.maximum(widx, 0)[..., None], axis=2)  # [B, s, W, D]
         parts = [(
             _logits(einsum("bshd,bswd->bshw", qb, kw, out_dtype=dtype, precision=precision), scale),
             (widx >= 0)[:, :, None, :], "bshw,bswd->bshd", kw,

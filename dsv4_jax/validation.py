@@ -17,10 +17,11 @@ runs only the value checks (`check_values`), with the same rules, errors and ord
 Non-finite hidden_states (NaN, +-inf) are rejected: let through, they would be written into
 the window and compressor caches and poison every later call. The check is a host scan for
 NumPy and host-resident inputs (about 2 us for a decode token of 4096 values). An accelerator
-array is checked inside the compiled step (`finite_in_step`, `attention.finite_checked_step`):
-the step zeroes such an input, writes its verdict into pinned host memory, and the call reads
-it once the step is done, drops the results and raises the same error (the cache passed in
-is untouched). A layer that donates its cache cannot drop a call's results, so there the
+array is checked by a small program dispatched just before the step (`finite_deferred`,
+`attention.finite_guard`): it writes its verdict into pinned host memory and zeroes such an
+input, the step runs on its output, and the call reads the verdict once the step is
+dispatched (the read overlaps the step), drops the results and raises the same error (the
+cache passed in is untouched). A layer that donates its cache cannot drop a call's results, so there the
 check stays one jitted `isfinite().all()` reduction and its read before dispatch (on an H200,
 V4-Flash decode, +0.4-0.5 ms per call; the README's misuse section has the measurements). It is
 set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
@@ -107,7 +108,7 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
     """Validate one call; returns (the StepSpec to run, the length it checked, the call's real
     tokens per row), the last two None while tracing (the length is then the step's own).
     `finite`: the finite check's mode, None for the layer's (False where the caller checks in
-    the step, `finite_in_step`).
+    the step's dispatch, `finite_deferred`).
 
     The length is the host value the checks ran against (int32 NumPy [B]); the caller's host
     mirror of the new length is `cache.advance_length` of it by the real tokens per row (int32
@@ -387,11 +388,13 @@ def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
     reject_non_finite(name, value)
 
 
-def finite_in_step(value: Any, mode: bool | str) -> bool:
-    """Whether the finite check of `value` under `mode` is one to run inside the compiled step
-    (a concrete `jax.Array` on an accelerator, mode True): there the verdict comes back with the
-    step's results (`attention.finite_checked_step`), instead of a separate reduction and device
-    round trip before dispatch. NumPy and host-resident inputs are scanned on the host."""
+def finite_deferred(value: Any, mode: bool | str) -> bool:
+    """Whether the finite check of `value` under `mode` is one to read after dispatch (a
+    concrete `jax.Array` on an accelerator, mode True): a small program computes the verdict
+    into pinned host memory and zeroes a non-finite input just before the step runs on it
+    (`attention.finite_guard`), and the call reads the verdict once the step is dispatched,
+    instead of waiting for a reduction's device round trip before dispatch. NumPy and
+    host-resident inputs are scanned on the host."""
     if mode is not True:
         return False
     kind = type(value)
@@ -404,7 +407,7 @@ def finite_in_step(value: Any, mode: bool | str) -> bool:
 
 def reject_non_finite(name: str, value: Any, ran: bool = False) -> None:
     """Raise the finite check's ValueError for `value` (read on the host), which holds a NaN/inf;
-    `ran`: the step ran on it (an in-step check) and its results were dropped."""
+    `ran`: the step ran on it (a check read after dispatch) and its results were dropped."""
     host = np.asarray(value)
     bad = ~np.isfinite(host)
     first = tuple(int(i) for i in np.argwhere(bad)[0])

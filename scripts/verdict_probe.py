@@ -1,7 +1,10 @@
 """Where the module call's finite check costs on a GPU (issue 9's thin call): one flash CSA decode
-step timed five ways, interleaved, medians of blocked calls: the jitted step; the finite-checked
-step called directly, blocking on its output only, then also reading its verdict; the module
-call with check_finite="host" and with True. Prints one line per way (ms).
+step timed five ways, interleaved, medians of blocked calls: the jitted step; the finite guard
+(`attention.finite_guard`) then the step on its output, blocking on the step's output only,
+then also reading the guard's verdict after dispatching the step (what the module call does);
+the module call with check_finite="host" and with True. Prints one line per way (ms).
+(Until 2026-12-01 evening the check ran inside a separate checked step: the records of that
+version, `bench/results/h200_verdict_probe_2026-12-01.txt`, came from this script's then form.)
 
     python scripts/verdict_probe.py [--size flash] [--reps 100]
 """
@@ -42,17 +45,20 @@ def main() -> None:
     _, cache = attn(x, np.arange(64, dtype=np.int32)[None], attn.init_cache(1, n))
     spec, weights = attn.step_spec(), attn.step_weights()
     raw = measure.clone(cache).replace(length=jnp.asarray(cache.length), layer_idx=-1)
-    plain, checked = attention.step_function(False), attention._FINITE_CHECKED_STEP
-    times = {k: [] for k in ("jit step", "checked, block on out", "checked + verdict", "module host", "module True")}
+    plain, guard = attention.step_function(False), attention._FINITE_GUARD
+    times = {k: [] for k in ("jit step", "guard + step, block on out", "guard + step + verdict", "module host",
+                             "module True")}
     for i in range(args.reps + 5):
         p = np.full((1, 1), 64 + i, np.int32)
         t = [time.perf_counter()]
         jax.block_until_ready(plain(weights, raw, xs, p, spec=spec)[0])
         t.append(time.perf_counter())
-        jax.block_until_ready(checked(weights, raw, xs, p, spec=spec)[0])
+        verdict, safe = guard(xs)
+        jax.block_until_ready(plain(weights, raw, safe, p, spec=spec)[0])
         t.append(time.perf_counter())
-        out = checked(weights, raw, xs, p, spec=spec)
-        bool(out[3])
+        verdict, safe = guard(xs)
+        out = plain(weights, raw, safe, p, spec=spec)
+        bool(verdict)
         jax.block_until_ready(out[0])
         t.append(time.perf_counter())
         for mode in ("host", True):
@@ -63,7 +69,7 @@ def main() -> None:
         if i >= 5:
             for k, a, b in zip(times, t, t[1:]):
                 times[k].append(b - a)
-    print(f"verdict memory kind: {getattr(out[3].sharding, 'memory_kind', None)}")
+    print(f"verdict memory kind: {getattr(verdict.sharding, 'memory_kind', None)}")
     for k, v in times.items():
         print(f"{k:24s} {1e3 * float(np.median(v)):.3f} ms")
 

@@ -445,42 +445,40 @@ def test_step_spec_hash_is_cached_and_equal_for_equal_specs():
     assert changed != spec and "_hash" not in vars(changed)
 
 
-def test_an_accelerator_input_is_checked_for_finite_values_inside_the_step(monkeypatch):
-    """On a GPU a device input's finite check runs in the compiled step (its verdict comes back
-    with the results, no reduction and round trip of its own before dispatch): here the CPU's
-    arrays are taken for device-resident ones. Same outputs and caches as the check before
-    dispatch; a NaN input raises the same error, the cache stays the caller's and usable; the
-    verdict's step compiles once for the layer's calls; a donating layer keeps the check before
-    dispatch."""
+def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkeypatch):
+    """On a GPU a device input's finite check is read after the step is dispatched: a small
+    program (`attention.finite_guard`) writes the verdict into host memory and zeroes a
+    non-finite input just before the step, and the call reads the verdict while the step runs
+    (no reduction and round trip of its own before dispatch): here the CPU's arrays are taken
+    for device-resident ones. Same outputs and caches as the check before dispatch; a NaN input
+    raises the same error, the cache stays the caller's and usable; no step is compiled for
+    it; a donating layer keeps the check before dispatch."""
     ran, kinds = [], set()
-    real = attention._FINITE_CHECKED_STEP
+    real = attention._FINITE_GUARD
 
     class Counted:
         def __call__(self, *args, **kwargs):
             ran.append(1)
             result = real(*args, **kwargs)
-            kinds.add(result[3].sharding.memory_kind)
+            kinds.add(result[0].sharding.memory_kind)
             return result
 
-        def _cache_size(self):
-            return real._cache_size()
-
-    monkeypatch.setattr(attention, "_FINITE_CHECKED_STEP", Counted())
-    in_step = validation.finite_in_step
-    monkeypatch.setattr(validation, "finite_in_step", lambda value, mode: False)  # the check before dispatch
+    monkeypatch.setattr(attention, "_FINITE_GUARD", Counted())
+    deferred = validation.finite_deferred
+    monkeypatch.setattr(validation, "finite_deferred", lambda value, mode: False)  # the check before dispatch
     plain = _layer()
     cache = _prefilled(plain)
     want, want_cache = _decode(plain, cache, 3)
     assert not ran
 
-    monkeypatch.setattr(validation, "finite_in_step", in_step)
+    monkeypatch.setattr(validation, "finite_deferred", deferred)
     monkeypatch.setattr(validation, "_host_resident", lambda value: False)  # on a GPU they are not
     checked = _layer()
     cache = _prefilled(checked)
-    assert len(ran) == 1  # the prefill ran the verdict's step
+    assert len(ran) == 1  # the prefill ran the guard
     got, got_cache = _decode(checked, cache, 3)
     assert len(ran) == 4
-    assert kinds == {"pinned_host"}  # the verdict written to host memory by the step (CPU and GPU have it)
+    assert kinds == {"pinned_host"}  # the verdict written to host memory by the guard (CPU and GPU have it)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):

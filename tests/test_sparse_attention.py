@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax.sparse_attention import AttentionOutput, insert_window, sparse_attention, window_indices
+from dsv4_jax.sparse_attention import AttentionOutput, insert_window, key_pool, sparse_attention, window_indices
 
 
 def dense_reference(q, keys, allowed, sinks):
@@ -82,3 +82,41 @@ def test_matches_dense_masked_attention(kind, block):
     assert type(bare) is AttentionOutput
     assert bare.sink_mass is None and bare.window_mass is None and bare.compressed_mass is None
     np.testing.assert_array_equal(np.asarray(bare.o), np.asarray(out))
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+@pytest.mark.parametrize("start", [0, 2, 9])
+def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start):
+    """A decode step's keys come from the window cache after the insert, in slot order (slot j,
+    -1 while it holds no position), and the XLA path reads that cache without a gathered copy:
+    the same attention as over [cache before | new key] gathered by position, masses included.
+    A prefill keeps the concatenated pool."""
+    rng = np.random.default_rng(start)
+    b, h, d, w, t = 2, 3, 8, 4, 6
+    q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.float32)
+    before = jnp.asarray(rng.normal(size=(b, w, d)), jnp.float32)
+    key = jnp.asarray(rng.normal(size=(b, 1, d)), jnp.float32)
+    length = jnp.array([start, start + 1], jnp.int32)  # ragged: the rows are at different positions
+    positions = length[:, None]
+    after = insert_window(before, key, length)
+    pool, widx, in_place = key_pool(before, after, key, positions, length, w)
+    assert in_place and pool is after
+    for row, p in enumerate(np.asarray(positions)[:, 0]):
+        assert np.asarray(widx)[row, 0].tolist() == [j if j <= p else -1 for j in range(w)]
+    kwargs = {}
+    if kind == "csa":
+        kwargs = dict(entries=jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32),
+                      picks=jnp.array([[[0, 2, -1]], [[1, -1, -1]]], jnp.int32))
+    elif kind == "hca":
+        kwargs = dict(entries=jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32), visible=(positions + 1) // 2)
+    sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    got = sparse_attention(q, pool, widx, sinks, window_in_place=True, with_mass=True, **kwargs)
+    old_pool = jnp.concatenate([before, key], axis=1)
+    want = sparse_attention(q, old_pool, window_indices(positions, length, w), sinks, with_mass=True, **kwargs)
+    for a, b_ in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-6, atol=1e-6)
+
+    prefill_keys = jnp.concatenate([key, key], axis=1)
+    pool, widx, in_place = key_pool(before, after, prefill_keys, jnp.concatenate([positions, positions + 1], 1),
+                                    length, w)
+    assert not in_place and pool.shape == (b, w + 2, d)
