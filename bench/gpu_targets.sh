@@ -4,7 +4,9 @@
 # --prefill-blocks OLD_BLOCKS (ORDER, default "default old default"; OLD_BLOCKS default
 # 64,64,8,3,0 = the prefill default before skip_masked_blocks); the decode stacks at B = 1, 32
 # and 2k, 16k (CSA x4, HCA x4; the package default, one process); the module call against the
-# jitted step (flash CSA decode). PREFILL=0 / DECODE=0 / CALL=0 leave a part out.
+# jitted step (flash CSA decode). PREFILL=0 / DECODE=0 / CALL=0 leave a part out. The decode
+# stacks' optimized programs go through bench/hlo_census.py (copies, conditionals, thunks by kind:
+# h200_hlo_census.json, the table in logs/hlo_census.md; HLO_DUMP=0 leaves it out).
 #                                                      device run:  bash bench/gpu_targets.sh
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -20,10 +22,16 @@ if [ "${PREFILL:-1}" = 1 ]; then
     --stacks "${PREFILL_STACKS:-csa}" --prefills "${PREFILLS:-4096,16384}"
 fi
 if [ "${DECODE:-1}" = 1 ]; then
-  XLA_FLAGS="$PROF" timeout ${STACK_TIMEOUT:-200} python3 bench/stack.py --size flash --scenarios stack_decode \
+  DUMP=""; [ "${HLO_DUMP:-1}" = 1 ] && DUMP="--xla_dump_to=/tmp/dsv4_hlo_dump --xla_dump_hlo_module_re=.*stack_step.*"
+  rm -rf /tmp/dsv4_hlo_dump
+  XLA_FLAGS="$PROF $DUMP" timeout ${STACK_TIMEOUT:-200} python3 bench/stack.py --size flash --scenarios stack_decode \
     --stacks "${DECODE_STACKS:-csa,hca}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-2048,16384}" \
     ${DECODE_ARGS:-} --json "$OUT/h200_stack_decode_targets.json" >"$OUT/logs/decode.log" 2>&1
   echo "decode stacks rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_decode\|Error" "$OUT/logs/decode.log" | head -10
+  if [ -n "$DUMP" ]; then
+    python3 bench/hlo_census.py /tmp/dsv4_hlo_dump --json "$OUT/h200_hlo_census.json" >"$OUT/logs/hlo_census.md" 2>&1
+    cat "$OUT/logs/hlo_census.md"; rm -rf /tmp/dsv4_hlo_dump
+  fi
 fi
 if [ "${CALL:-1}" = 1 ]; then
   timeout ${CALL_TIMEOUT:-90} python3 bench/stack.py --size flash --call-overhead-only --call-overhead-size flash \

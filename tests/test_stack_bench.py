@@ -73,3 +73,39 @@ def test_stack_run_writes_records_and_a_profile_by_stage():
     # The stages are jax.named_scopes of attention_step: the profile can name them.
     assert {"sparse_attention", "compressor", "indexer_select"} <= stages
     assert "stack_decode" in stack.markdown(records, data["meta"])
+
+
+def test_the_hlo_census_reads_copies_conditionals_and_thunks(tmp_path):
+    """`bench/hlo_census.py` on a dump: which stack case a module is, the entry computation's
+    copies and what they copy, conditionals, custom calls and (GPU) thunks by kind."""
+    from bench import hlo_census
+
+    hlo = """HloModule jit_stack_step
+%branch (p: f32[2]) -> f32[2] {
+  %copy.9 = f32[2]{0} copy(%p)
+}
+
+ENTRY %main (hidden_states.1: bf16[32,1,64], caches_0__length.1: s32[32]) -> s32[32] {
+  %hidden_states.1 = bf16[32,1,64]{2,1,0} parameter(0)
+  %copy.3 = s32[32]{0} copy(%caches_0__length.1), metadata={scheduling_name="copy.3"}
+  %cond = (f32[2]) conditional(%pred, %a, %b), branch_computations={%branch, %branch}
+  %cc = f32[2] custom-call(%x), custom_call_target="dsv4_topk"
+}
+"""
+    thunks = """001: kCustomKernel [source | next=002 (1) ] loop_fusion grid: [1, 1, 1]
+002: kCopy         [prev=001 (1) | sink ] kCopy
+003: kConditional  [source | sink ]
+  false_branch:
+    004: kCustomKernel [source | sink] loop_broadcast_fusion grid: [1, 1, 1]
+"""
+    (tmp_path / "module_0001.jit_stack_step.sm_9.0a_gpu_after_optimizations.txt").write_text(hlo)
+    (tmp_path / "module_0001.jit_stack_step.thunk_sequence.txt").write_text(thunks)
+    (tmp_path / "module_0002.jit_other.sm_9.0a_gpu_after_optimizations.txt").write_text(hlo)
+    rows = hlo_census.census(str(tmp_path))
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["module"] == "module_0001.jit_stack_step" and row["batch"] == 32 and row["tokens"] == 1
+    assert row["copies"] == [{"name": "copy.3", "shape": "s32[32]{0}", "of": "caches_0__length.1"}]  # entry only
+    assert row["conditionals"] == 1 and row["custom_calls"] == 1
+    assert row["thunks"] == {"kCustomKernel": 2, "kCopy": 1, "kConditional": 1}
+    assert "| module_0001.jit_stack_step | bf16[32, 1, 64] | 1 | 1 | 1 |" in hlo_census.markdown(rows)
