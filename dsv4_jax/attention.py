@@ -452,8 +452,10 @@ def finite_guard(hidden_states):
     The step runs on the guarded input, so nothing downstream (the native selection kernels, a
     host break) ever sees a NaN; the call reads the verdict after dispatching the step and, if
     it says so, drops the step's results and raises (the cache is not donated: unchanged). The
-    verdict is ready as soon as this program is, so its read overlaps the step instead of
-    waiting for it (a read after the step cost ~0.14 ms a call on the H200; bench/RESULTS.md).
+    step itself is the layer's ordinary one (no second compiled step for the check). On the
+    H200 the call costs ~0.18 ms over the jitted step with this check, as it did with the
+    verdict computed inside the step and read after it (bench/RESULTS.md, "The decode window
+    read in place"): one more program or one more host-memory read, ~0.13 ms either way.
     """
     finite = jnp.all(jnp.isfinite(hidden_states))
     return to_host_memory(finite), jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))

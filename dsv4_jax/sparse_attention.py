@@ -143,6 +143,9 @@ def sparse_attention(
     window_in_place: `window_idx[b, s, j]` is j or -1 (`key_pool`'s decode pool, S = 1): the
                XLA path reads the pool as the window keys, masked, instead of gathering a copy
     """
+    if window_in_place and (q.shape[1] != 1 or window_idx.shape[-1] != pool.shape[1]):
+        raise ValueError(f"window_in_place: expected one query per row and a pool of the window's "
+                         f"{window_idx.shape[-1]} slots, got q {q.shape} and pool {pool.shape}")
     xla = functools.partial(_xla_path, entries=entries, picks=picks, visible=visible, block=block,
                             precision=precision, with_mass=with_mass, window_in_place=window_in_place)
     if not with_mass:

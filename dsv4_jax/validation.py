@@ -20,9 +20,9 @@ NumPy and host-resident inputs (about 2 us for a decode token of 4096 values). A
 array is checked by a small program dispatched just before the step (`finite_deferred`,
 `attention.finite_guard`): it writes its verdict into pinned host memory and zeroes such an
 input, the step runs on its output, and the call reads the verdict once the step is
-dispatched (the read overlaps the step), drops the results and raises the same error (the
-cache passed in is untouched). A layer that donates its cache cannot drop a call's results, so there the
-check stays one jitted `isfinite().all()` reduction and its read before dispatch (on an H200,
+dispatched, drops the results and raises the same error (the cache passed in is untouched;
+~0.13 ms a call on an H200). A layer that donates its cache cannot drop a call's results, so
+there the check stays one jitted `isfinite().all()` reduction and its read before dispatch (on an H200,
 V4-Flash decode, +0.4-0.5 ms per call; the README's misuse section has the measurements). It is
 set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
 ``attn.check_finite`` (None: the module-level `CHECK_FINITE`, True unless changed):
@@ -107,8 +107,8 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
                finite: bool | str | None = None):
     """Validate one call; returns (the StepSpec to run, the length it checked, the call's real
     tokens per row), the last two None while tracing (the length is then the step's own).
-    `finite`: the finite check's mode, None for the layer's (False where the caller checks in
-    the step's dispatch, `finite_deferred`).
+    `finite`: the finite check's mode, None for the layer's (False where the caller reads the
+    check after the step's dispatch, `finite_deferred`).
 
     The length is the host value the checks ran against (int32 NumPy [B]); the caller's host
     mirror of the new length is `cache.advance_length` of it by the real tokens per row (int32

@@ -116,6 +116,9 @@ def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start):
     for a, b_ in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-6, atol=1e-6)
 
+    with pytest.raises(ValueError, match="window_in_place: expected one query per row"):
+        sparse_attention(q, old_pool, widx, sinks, window_in_place=True, **kwargs)
+
     prefill_keys = jnp.concatenate([key, key], axis=1)
     pool, widx, in_place = key_pool(before, after, prefill_keys, jnp.concatenate([positions, positions + 1], 1),
                                     length, w)
