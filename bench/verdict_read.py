@@ -5,7 +5,7 @@
 
 The layer's eager call on accelerator inputs reads a finite verdict before it returns (it ran
 inside the step, `finite_checked_step`, when this was measured; since then a small program
-before the step writes it, `attention.finite_guard`, so its read overlaps the step). A step of
+before the step writes it, `attention.finite_guard`, at the same measured cost a call). A step of
 matmuls (about 1 ms on an H200 at the default sizes) returns (out, verdict); each way of
 reading is timed per call, dispatch to verdict known, blocked, median of `--reps` calls after
 a warm-up (the compile excluded), against blocking on `out` alone (`block`, the peer: what a

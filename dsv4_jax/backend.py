@@ -56,9 +56,9 @@ def update_trailing(x: Array, values: Array) -> Array:
 def to_host_memory(x: Array) -> Array:
     """Inside a jitted function: `x` as an output placed in the host's pinned memory, where the
     default device has such memory, else `x`. For a small result the host reads right after
-    the step (the layer's finite verdict): the step writes it there itself, so reading it is no
-    device-to-host transfer of its own (on an H200 ~0.09 ms after the step, against ~0.24 ms
-    for a device array's read; `bench/verdict_read.py`)."""
+    the program (the layer's finite verdict, `attention.finite_guard`): the program writes it
+    there itself, so reading it is no device-to-host transfer of its own (on an H200 ~0.09 ms
+    after a step, against ~0.24 ms for a device array's read; `bench/verdict_read.py`)."""
     return jax.device_put(x, jax.memory.Space.Host) if _has_pinned_host() else x
 
 
