@@ -37,7 +37,14 @@ from bench.stack import environment  # noqa: E402
 from dsv4_jax import sparse_attention as sa  # noqa: E402
 from dsv4_jax import sparse_attention_kernel as sak  # noqa: E402
 
-CONFIGS = ((32, 32), (16, 16), (32, 16), (16, 32), (64, 32))  # decode: (block_keys, block_heads)
+# decode: (block_keys, block_heads, num_warps, num_stages). The first sweep
+# (results/h200_decode_kernel_blocks_2026-12-01.json) tried the first five, unpipelined: larger
+# key blocks won (B = 32: 58.6 us at bk 64 against 124.8 at bk 16, XLA 56.8), so the loop over
+# the gathered key blocks waits on its loads; the rest pipeline them (Triton's num_stages, as
+# the prefill blocks do) or take more keys or heads a program.
+CONFIGS = ((32, 32, 8, 1), (16, 16, 8, 1), (32, 16, 8, 1), (16, 32, 8, 1), (64, 32, 8, 1),
+           (64, 32, 8, 2), (64, 32, 8, 3), (32, 32, 8, 3), (128, 32, 8, 1), (64, 64, 8, 2), (32, 64, 8, 3),
+           (64, 32, 4, 2))
 # prefill: (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]): one program per
 # query and head block; the default's blocks with and without skipping the masked entry blocks
 PREFILL_CONFIGS = ((64, 64, 8, 3), (64, 64, 8, 3, True), (64, 64, 8, 2, True), (32, 64, 8, 3, True),
@@ -133,7 +140,7 @@ def run(args) -> list:
         for kind in args.kinds.split(","):
             if phase == "decode":
                 for b in (int(v) for v in args.batches.split(",")):
-                    configs = ((16, 16, 4, 1),) if args.quick else tuple((*c, sak.NUM_WARPS, 1) for c in CONFIGS)
+                    configs = ((16, 16, 4, 1),) if args.quick else CONFIGS
                     cases.append((phase, kind, b, lambda kind=kind, b=b: inputs(kind, b, **shapes), configs, args.reps))
             else:
                 length = 64 if args.quick else args.prefill_len

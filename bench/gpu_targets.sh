@@ -6,7 +6,8 @@
 # and 2k, 16k (CSA x4, HCA x4; the package default, one process); the module call against the
 # jitted step (flash CSA decode). PREFILL=0 / DECODE=0 / CALL=0 leave a part out. The decode
 # stacks' optimized programs go through bench/hlo_census.py (copies, conditionals, thunks by kind:
-# h200_hlo_census.json, the table in logs/hlo_census.md; HLO_DUMP=0 leaves it out).
+# h200_hlo_census.json, the table in logs/hlo_census.md, the programs in logs/decode_hlo.tgz;
+# HLO_DUMP=0 leaves it out).
 #                                                      device run:  bash bench/gpu_targets.sh
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -30,7 +31,10 @@ if [ "${DECODE:-1}" = 1 ]; then
   echo "decode stacks rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_decode\|Error" "$OUT/logs/decode.log" | head -10
   if [ -n "$DUMP" ]; then
     python3 bench/hlo_census.py /tmp/dsv4_hlo_dump --json "$OUT/h200_hlo_census.json" >"$OUT/logs/hlo_census.md" 2>&1
-    cat "$OUT/logs/hlo_census.md"; rm -rf /tmp/dsv4_hlo_dump
+    cat "$OUT/logs/hlo_census.md"
+    # The optimized programs themselves, for what the census does not say (which op a kernel is).
+    (cd /tmp/dsv4_hlo_dump && tar czf "$OUT/logs/decode_hlo.tgz" ./*after_optimizations.txt ./*thunk_sequence.txt 2>/dev/null)
+    rm -rf /tmp/dsv4_hlo_dump
   fi
 fi
 if [ "${CALL:-1}" = 1 ]; then

@@ -8,13 +8,18 @@
 #   STACKS, BATCHES, CONTEXTS: bench/stack.py's --stacks / --batches / --contexts (csa / 1,32 / 16384)
 #   PROFILE  B:CTX (e.g. 32:16384): every run also profiles that case of its first stack (kernels by
 #            stage in its JSON and log; bench/stack.py keeps command buffers on while profiling)
+#   FLAGS_T  extra XLA flags for the runs of tag T (e.g. FLAGS_nomerge="--xla_disable_hlo_passes=dot-merger"
+#            with ORDER="new nomerge new": a tag with no build/ab_T directory runs the tree as it is)
 #                                   device run:  bash bench/gpu_tree_ab.sh    (records in $OUT)
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 AB_DIR=${AB_DIR:-build/ab_old}
 source "$(dirname "$0")/gpu_build.sh"
 ORDER=${ORDER:-new old new}
-variant_dir() { case $1 in new) echo "" ;; old) echo "$AB_DIR" ;; *) echo "build/ab_$1" ;; esac; }
+variant_dir() {  # the files a tag swaps in: none for "new" and for a tag without its directory
+  local d; case $1 in new) d="" ;; old) d="$AB_DIR" ;; *) d="build/ab_$1" ;; esac
+  if [ -n "$d" ] && [ -d "$d" ]; then echo "$d"; fi
+}
 saved=/tmp/ab_tree_saved; rm -rf "$saved"; mkdir -p "$saved"
 for tag in $ORDER; do  # the tree's own version of every file some variant replaces
   d=$(variant_dir "$tag"); [ -n "$d" ] || continue
@@ -31,7 +36,8 @@ use() {  # $1: a tag of ORDER
 i=0
 for tag in $ORDER; do
   i=$((i + 1)); use "$tag"
-  timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py ${PROFILE:+--profile $PROFILE} --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
+  extra_flags=$(eval echo "\${FLAGS_$tag:-}")
+  XLA_FLAGS="${XLA_FLAGS:-} $extra_flags" timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py ${PROFILE:+--profile $PROFILE} --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
     --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" --json "$OUT/h200_stack_ab_${i}_$tag.json" \
     >"$OUT/stack_ab_${i}_$tag.log" 2>&1
   echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -6

@@ -92,6 +92,23 @@ def hlo_sources(compiled_text: str) -> dict:
     return out
 
 
+_ANY_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(([^)]*)\)")
+
+
+def hlo_shapes(compiled_text: str) -> dict:
+    """XLA instruction name -> ``"<shape> <opcode>(<operands>)"``, for the kernels whose
+    instruction carries no ``op_name`` (XLA's own: a copy, a fusion XLA made of a rewritten
+    gather or scatter): what it produces and from what tells which cache leaf or stage it is."""
+    out = {}
+    for line in compiled_text.splitlines():
+        m = _ANY_INSTR.match(line)
+        if m:
+            name, shape, opcode, operands = m.groups()
+            args = ", ".join(a.strip().lstrip("%") for a in operands.split(",") if a.strip())
+            out[name] = f"{shape.split('{')[0]} {opcode}({args})"
+    return out
+
+
 def stage_of(op_name: str) -> str:
     """The stage of an op_name: its first named scope below the outer ``jit(...)``."""
     parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
@@ -101,11 +118,15 @@ def stage_of(op_name: str) -> str:
 def attach_sources(summary: dict, compiled_text: str) -> dict:
     """Add each row's source op_name (`hlo_sources`) and a per-stage table ``by_source``."""
     sources = hlo_sources(compiled_text)
+    shapes = hlo_shapes(compiled_text)
     # Kernel names are the fusion names with "." as "_" ("loop_fusion_3" <- "loop_fusion.3").
     sources.update({k.replace(".", "_"): v for k, v in list(sources.items())})
+    shapes.update({k.replace(".", "_"): v for k, v in list(shapes.items())})
     by_source = collections.defaultdict(lambda: {"us_per_step": 0.0, "kernels_per_step": 0.0, "ops": 0})
     for row in summary["rows"]:
         row["source"] = sources.get(row["op"], "")
+        if not row["source"] and row["op"] in shapes:
+            row["hlo"] = shapes[row["op"]]
         key = stage_of(row["source"])
         agg = by_source[key]
         agg["us_per_step"] += row["us_per_step"]
@@ -144,7 +165,7 @@ def markdown(summary: dict, top: int = 25, title: str = "") -> str:
     busy = summary["busy_us_per_step"] or 1.0
     for r in summary["rows"][:top]:
         lines.append(f"| `{r['op'][:60]}` | {r['us_per_step']:.1f} | {100 * r['us_per_step'] / busy:.0f}% | "
-                     f"{r['kernels_per_step']:.1f} | `{r.get('source', '')[:70]}` |")
+                     f"{r['kernels_per_step']:.1f} | `{(r.get('source') or 'hlo: ' + r.get('hlo', ''))[:90]}` |")
     if summary.get("by_source"):
         lines += ["", "| stage (named scope) | us/step | share | kernels/step | XLA ops |", "|---|---|---|---|---|"]
         for r in summary["by_source"][:top]:

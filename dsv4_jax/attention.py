@@ -32,13 +32,21 @@ from flax import nnx, struct
 
 from . import breaks, indexer, sharding, validation
 from .backend import QUERY_BLOCK, Array, einsum, to_host_memory
-from .cache import AttentionCache, CompressorCache, advance_length, init_attention_cache, overflows, real_tokens
+from .cache import (
+    AttentionCache,
+    CompressorCache,
+    advance_length,
+    init_attention_cache,
+    insert_ring,
+    overflows,
+    real_tokens,
+)
 from .compressor import CompressorWeights, compress, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .indexer import IndexerWeights, head_weights, index_queries
 from .norms import head_rms_norm, rms_norm
 from .rope import apply_rope, attention_factor, inv_freq
-from .sparse_attention import insert_window, key_pool, sparse_attention
+from .sparse_attention import key_pool, sparse_attention
 
 
 # ---------------------------------------------------------------------------- pytrees
@@ -214,7 +222,7 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale,
                    in_place=True)
     kv = apply_rope(kv, positions, freqs, scale=scale)
-    return q, kv, insert_window(window, kv, length, frozen, count)
+    return q, kv, insert_ring(window, kv, length, frozen, count)
 
 
 def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: AttentionWeights,

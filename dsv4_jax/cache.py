@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .backend import Array
+from .backend import Array, namespace, scatter_rows
 from .config import CSA, HCA, SLIDING
 
 
@@ -47,20 +47,20 @@ class CompressorCache:
 
     entries:      [B, T, Dc]      compressed entries emitted so far (entry w at row w);
                                   the count is ``length // ratio``
-    buffer_kv:    [B, m, n*Dc]    raw kv projections of the unfinished window (slot p % m)
-    buffer_gate:  [B, m, n*Dc]    raw gate projections (without position bias), same slots
-    overlap_kv:   [B, m, Dc]      CSA only: Ca half of the last completed window
-    overlap_gate: [B, m, Dc]      CSA only: its gate logits *with* position bias, float32
+    buffer_kv:    [B, R, n*Dc]    raw kv projections of the last R tokens, a ring (slot p % R)
+    buffer_gate:  [B, R, n*Dc]    raw gate projections (without position bias), same slots
 
-    n = 2 for the overlapping CSA layout, 1 for HCA. Rows of `buffer_*` at or beyond
-    ``length % m`` and rows of `entries` at or beyond ``length // m`` hold no data.
+    n = 2 and R = 2m for the overlapping CSA layout (the unfinished window and the window
+    before it, whose Ca half the next entry pools), n = 1 and R = m for HCA (the unfinished
+    window). The rings are written like the window cache (`insert_ring`): slot ``p % R`` holds
+    token p for the last R positions, so every path (prefill chunks, decode steps) leaves the
+    same state. Ring slots of positions before 0 and rows of `entries` at or beyond
+    ``length // m`` hold zeros (nothing was written there).
     """
 
     entries: Array
     buffer_kv: Array
     buffer_gate: Array
-    overlap_kv: Array | None = None
-    overlap_gate: Array | None = None
 
 
 @struct.dataclass
@@ -192,14 +192,51 @@ def _zero_rows(a: Array, rows) -> Array:
 
 def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,
                           dtype) -> CompressorCache:
-    """An empty compressor state: `entries` slots of `dim`, buffers `width` (= n*dim) wide."""
+    """An empty compressor state: `entries` slots of `dim`, rings of `ring_slots(ratio, overlap)`
+    tokens `width` (= n*dim) wide."""
+    ring = ring_slots(ratio, overlap)
     return CompressorCache(
         entries=jnp.zeros((batch, entries, dim), dtype),
-        buffer_kv=jnp.zeros((batch, ratio, width), dtype),
-        buffer_gate=jnp.zeros((batch, ratio, width), dtype),
-        overlap_kv=jnp.zeros((batch, ratio, dim), dtype) if overlap else None,
-        overlap_gate=jnp.zeros((batch, ratio, dim), jnp.float32) if overlap else None,
+        buffer_kv=jnp.zeros((batch, ring, width), dtype),
+        buffer_gate=jnp.zeros((batch, ring, width), dtype),
     )
+
+
+def ring_slots(ratio: int, overlap: bool) -> int:
+    """Tokens a compressor's rings hold: two windows where an entry also pools the window
+    before its own (CSA's overlap), else one."""
+    return 2 * ratio if overlap else ratio
+
+
+def insert_ring(ring: Array, values: Array, length: Array, frozen: Array | None = None,
+                count: Array | None = None) -> Array:
+    """Write each row's last ``min(count, R)`` real values into their ring slots ``p % R``.
+
+    The window cache and the compressors' rings: ring [B, R, X], values [B, S, X] (positions
+    ``length .. length + S - 1``), length [B] (tokens before the call) -> [B, R, X], one
+    scatter. frozen [B] bool (optional): rows written nothing (their scatter indices point
+    past the ring and are dropped: no copy of the ring). count [B] int32 (optional, ragged
+    calls): real tokens per row, ``values[:, :count]``; the padded slots after them write
+    nothing (default: all S are real). Runs under XLA or NumPy.
+    """
+    r, s = ring.shape[1], values.shape[1]
+    n = min(s, r)
+    if count is None:
+        pos = length[:, None] + (s - n) + np.arange(n, dtype=np.int32)[None, :]
+        slot = pos % r
+        if frozen is not None:
+            slot = namespace(slot, frozen).where(frozen[:, None], r, slot)
+        return scatter_rows(ring, slot, values[:, s - n :])
+    # Ragged: row b's last min(count_b, R) real values are its columns count_b - n .. count_b - 1;
+    # columns before 0 (a row with fewer than n real tokens) are dropped, never written twice.
+    xp = namespace(values, length, count)
+    col = count[:, None].astype(np.int32) - n + xp.arange(n, dtype=np.int32)[None, :]  # [B, n]
+    keep = col >= 0
+    if frozen is not None:
+        keep = keep & ~frozen[:, None]
+    slot = xp.where(keep, (length[:, None] + col) % r, r)
+    picked = xp.take_along_axis(values, xp.maximum(col, 0)[..., None], axis=1)
+    return scatter_rows(ring, slot, picked)
 
 
 def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int, dtype) -> AttentionCache:

@@ -23,10 +23,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import sparse_attention_kernel
-from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, namespace, scatter_rows
+from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks
 
 
 class AttentionOutput(NamedTuple):
@@ -81,36 +80,6 @@ def key_pool(window_before: Array, window_after: Array, keys: Array, positions: 
         slot = jnp.arange(window, dtype=jnp.int32)
         return window_after, jnp.where(slot <= positions[..., None], slot, -1).astype(jnp.int32), True
     return jnp.concatenate([window_before, keys], axis=1), window_indices(positions, length, window), False
-
-
-def insert_window(window_cache: Array, kv: Array, length: Array, frozen: Array | None = None,
-                  count: Array | None = None) -> Array:
-    """Write each row's last ``min(count, W)`` real rotated keys into their ring slots ``p % W``.
-
-    window_cache [B, W, D], kv [B, S, D], length [B] (tokens before the call) -> [B, W, D].
-    frozen [B] bool (optional): rows written nothing (their scatter indices point past the
-    ring and are dropped: no copy of the cache). count [B] int32 (optional, ragged calls): real
-    tokens per row, ``kv[:, :count]``; the padded slots after them write nothing (default: all
-    S are real). Runs under XLA or NumPy (it is part of `wq_b_kv_insert`).
-    """
-    w, s = window_cache.shape[1], kv.shape[1]
-    n = min(s, w)
-    if count is None:
-        pos = length[:, None] + (s - n) + np.arange(n, dtype=np.int32)[None, :]
-        slot = pos % w
-        if frozen is not None:
-            slot = namespace(slot, frozen).where(frozen[:, None], w, slot)
-        return scatter_rows(window_cache, slot, kv[:, s - n :])
-    # Ragged: row b's last min(count_b, W) real keys are its columns count_b - n .. count_b - 1;
-    # columns before 0 (a row with fewer than n real tokens) are dropped, never written twice.
-    xp = namespace(kv, length, count)
-    col = count[:, None].astype(np.int32) - n + xp.arange(n, dtype=np.int32)[None, :]  # [B, n]
-    keep = col >= 0
-    if frozen is not None:
-        keep = keep & ~frozen[:, None]
-    slot = xp.where(keep, (length[:, None] + col) % w, w)
-    values = xp.take_along_axis(kv, xp.maximum(col, 0)[..., None], axis=1)
-    return scatter_rows(window_cache, slot, values)
 
 
 def sparse_attention(

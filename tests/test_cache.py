@@ -9,7 +9,7 @@ from flax import nnx
 
 from dsv4_jax import AttentionCache, DeepseekV4Attention, DeepseekV4Config
 from dsv4_jax.attention import step_function
-from dsv4_jax.cache import cache_nbytes
+from dsv4_jax.cache import cache_nbytes, insert_ring
 
 
 def test_shapes_per_layer_type():
@@ -22,11 +22,28 @@ def test_shapes_per_layer_type():
         assert isinstance(cache.length, np.ndarray) and cache.length.tolist() == [0, 0]
     assert shapes[0].window == (2, 8, 32) and shapes[0].compressor is None and shapes[0].indexer is None
     csa = shapes[1]
-    assert csa.compressor.entries == (2, 9, 32) and csa.compressor.buffer_kv == (2, 4, 64)
-    assert csa.compressor.overlap_kv == (2, 4, 32) and csa.indexer.entries == (2, 9, 16)
+    # CSA's rings hold two windows of m = 4 (the unfinished one and the one before it, whose
+    # Ca half the next entry pools), [Ca | Cb] wide; HCA's one window of m = 8.
+    assert csa.compressor.entries == (2, 9, 32) and csa.compressor.buffer_kv == (2, 8, 64)
+    assert csa.compressor.buffer_gate == (2, 8, 64) and csa.indexer.entries == (2, 9, 16)
+    assert csa.indexer.buffer_kv == (2, 8, 32)
     hca = shapes[2]
     assert hca.compressor.entries == (2, 4, 32) and hca.compressor.buffer_kv == (2, 8, 32)
-    assert hca.compressor.overlap_kv is None and hca.indexer is None
+    assert hca.indexer is None
+
+
+def test_insert_keeps_the_last_r_tokens_in_their_slots():
+    ring = np.zeros((1, 4, 1), np.float32)
+    ring = insert_ring(ring, np.arange(6, dtype=np.float32).reshape(1, 6, 1) + 10, np.array([0]))
+    assert ring[0, :, 0].tolist() == [14, 15, 12, 13]  # positions 4, 5, 2, 3 in slots p % 4
+    # One more token (a decode step) overwrites the oldest slot; a frozen row writes nothing;
+    # a ragged row writes its real tokens only.
+    ring = insert_ring(ring, np.array([[[16.0]]], np.float32), np.array([6]))
+    assert ring[0, :, 0].tolist() == [14, 15, 16, 13]
+    frozen = insert_ring(ring, np.array([[[17.0]]], np.float32), np.array([7]), frozen=np.array([True]))
+    assert frozen[0, :, 0].tolist() == [14, 15, 16, 13]
+    ragged = insert_ring(ring, np.array([[[17.0], [99.0]]], np.float32), np.array([7]), count=np.array([1]))
+    assert ragged[0, :, 0].tolist() == [14, 15, 16, 17]
 
 
 def test_cache_is_a_pytree_that_jits():

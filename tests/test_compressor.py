@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax.cache import init_compressor_cache
+from dsv4_jax.cache import init_compressor_cache, ring_slots
 from dsv4_jax.compressor import compress, visible_entries
 
 
@@ -62,16 +64,39 @@ def test_streaming_matches_one_shot_oracle(xp, m, overlap):
         expected = oracle(c[:, :start].astype(np.float64), z[:, :start].astype(np.float64), bias, norm_w, m,
                           overlap, freqs)
         np.testing.assert_allclose(np.asarray(state.entries)[:, :done], expected, rtol=2e-5, atol=2e-6)
-        # The unfinished window waits in the buffer, slot p % m.
-        rest = start - done * m
-        np.testing.assert_array_equal(np.asarray(state.buffer_kv)[:, :rest], c[:, done * m:start])
-        np.testing.assert_array_equal(np.asarray(state.buffer_gate)[:, :rest], z[:, done * m:start])
-        if overlap and done:
-            last = slice((done - 1) * m, done * m)
-            np.testing.assert_array_equal(np.asarray(state.overlap_kv), c[:, last, :dim])
-            np.testing.assert_allclose(np.asarray(state.overlap_gate), z[:, last, :dim] + bias[:, :dim], rtol=1e-6)
+        # The rings hold the last R tokens' raw projections, slot p % R (R = 2m for CSA: the
+        # unfinished window and the one before it; m for HCA), zeros where no token was yet.
+        ring = ring_slots(m, overlap)
+        held = np.arange(max(0, start - ring), start)
+        expected_kv, expected_gate = np.zeros((2, ring, width), np.float32), np.zeros((2, ring, width), np.float32)
+        expected_kv[:, held % ring], expected_gate[:, held % ring] = c[:, held], z[:, held]
+        np.testing.assert_array_equal(np.asarray(state.buffer_kv), expected_kv)
+        np.testing.assert_array_equal(np.asarray(state.buffer_gate), expected_gate)
 
 
 def test_an_entry_is_visible_from_the_last_token_of_its_window():
     # Spec 5.4: query t sees entry w iff w < (t + 1) // m.
     np.testing.assert_array_equal(visible_entries(np.arange(9), 4), [0, 0, 0, 1, 1, 1, 1, 2, 2])
+
+
+@pytest.mark.parametrize(("m", "overlap"), [(4, True), (8, False)], ids=["csa", "hca"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_decode_step_copies_no_compressor_state(m, overlap, batch):
+    # A decode step writes its token into the rings in place (one scatter each) and reads the
+    # windows it pools from the updated rings: no reader of a ring's old value is left, so XLA's
+    # optimized program, with the state donated as in a serving step, copies none of the
+    # state. (Reading the old buffers and a separate CSA overlap while writing them cost two
+    # copies of each buffer and one of each overlap array, on the CPU and at B = 1 on the H200:
+    # docs/DEVELOPING.md.) The same function as every decode step runs.
+    dim = 16
+    width = 2 * dim if overlap else dim
+    kw = dict(position_bias=jnp.zeros((m, width), jnp.float32), kv_norm=jnp.ones((dim,), jnp.float32), ratio=m,
+              overlap=overlap, freqs=jnp.array([0.9, 0.3], jnp.float32), rope_scale=1.0, eps=1e-6)
+    state = init_compressor_cache(batch, 4, m, dim, width, overlap, jnp.float32)
+    step = jax.jit(lambda kv, gate, state, length: compress(kv, gate, state, length, **kw), donate_argnums=(2,))
+    token = jnp.ones((batch, 1, width), jnp.float32)
+    hlo = step.lower(token, token, state, jnp.full((batch,), 5, jnp.int32)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    state_shapes = {f"f32[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(state)}
+    copies = re.findall(r"= (\S+) copy\(", entry)
+    assert not [c for c in copies if c.split("{")[0] in state_shapes], f"copies of the state: {copies}"

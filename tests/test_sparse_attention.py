@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax.sparse_attention import AttentionOutput, insert_window, key_pool, sparse_attention, window_indices
+from dsv4_jax.cache import insert_ring
+from dsv4_jax.sparse_attention import AttentionOutput, key_pool, sparse_attention, window_indices
 
 
 def dense_reference(q, keys, allowed, sinks):
@@ -27,12 +28,6 @@ def test_window_indices_address_the_last_w_positions():
     assert idx[0, 1].tolist() == [3, 0, 4, 5]
     first = np.asarray(window_indices(jnp.array([[0, 1]]), jnp.array([0]), 4))
     assert first[0].tolist() == [[-1, -1, -1, 4], [-1, -1, 4, 5]]
-
-
-def test_insert_keeps_the_last_w_tokens_in_their_slots():
-    ring = np.zeros((1, 4, 1), np.float32)
-    ring = insert_window(ring, np.arange(6, dtype=np.float32).reshape(1, 6, 1) + 10, np.array([0]))
-    assert ring[0, :, 0].tolist() == [14, 15, 12, 13]  # positions 4, 5, 2, 3 in slots p % 4
 
 
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
@@ -98,7 +93,7 @@ def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start):
     key = jnp.asarray(rng.normal(size=(b, 1, d)), jnp.float32)
     length = jnp.array([start, start + 1], jnp.int32)  # ragged: the rows are at different positions
     positions = length[:, None]
-    after = insert_window(before, key, length)
+    after = insert_ring(before, key, length)
     pool, widx, in_place = key_pool(before, after, key, positions, length, w)
     assert in_place and pool is after
     for row, p in enumerate(np.asarray(positions)[:, 0]):

@@ -109,3 +109,26 @@ ENTRY %main (hidden_states.1: bf16[32,1,64], caches_0__length.1: s32[32]) -> s32
     assert row["conditionals"] == 1 and row["custom_calls"] == 1
     assert row["thunks"] == {"kCustomKernel": 2, "kCopy": 1, "kConditional": 1}
     assert "| module_0001.jit_stack_step | bf16[32, 1, 64] | 1 | 1 | 1 |" in hlo_census.markdown(rows)
+
+
+def test_the_profile_describes_kernels_without_a_source():
+    """`bench/kernel_profile.py`: a kernel whose instruction carries no op_name (one XLA made,
+    e.g. of a rewritten scatter) is described by its shape, opcode and operands (`hlo`)."""
+    from bench import kernel_profile
+
+    hlo = "\n".join([
+        "ENTRY %main (caches_0__window.1: bf16[1,8,4], length: s32[1]) -> bf16[1,1,4] {",
+        "  %loop_dynamic_slice_fusion.3 = bf16[1,1,4]{2,1,0} fusion(%caches_0__window.1, %length), kind=kLoop",
+        '  %gemm_fusion_dot.1 = bf16[1,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%g, '
+        'metadata={op_name="jit(stack_step)/wq_b_kv_insert/dot_general"}',
+        "}",
+    ])
+    summary = {"rows": [{"op": "loop_dynamic_slice_fusion_3", "us_per_step": 1.0, "kernels_per_step": 1.0},
+                        {"op": "gemm_fusion_dot_1", "us_per_step": 9.0, "kernels_per_step": 1.0}],
+               "busy_us_per_step": 10.0, "kernels_per_step": 2.0}
+    kernel_profile.attach_sources(summary, hlo)
+    sliced, gemm = summary["rows"]
+    assert sliced["source"] == "" and sliced["hlo"] == "bf16[1,1,4] fusion(caches_0__window.1, length)"
+    assert gemm["source"] == "jit(stack_step)/wq_b_kv_insert/dot_general" and "hlo" not in gemm
+    table = kernel_profile.markdown(summary)
+    assert "hlo: bf16[1,1,4] fusion(caches_0__window.1, length)" in table and "wq_b_kv_insert" in table
