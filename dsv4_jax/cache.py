@@ -47,20 +47,20 @@ class CompressorCache:
 
     entries:      [B, T, Dc]      compressed entries emitted so far (entry w at row w);
                                   the count is ``length // ratio``
-    buffer_kv:    [B, R, n*Dc]    raw kv projections of the last R tokens, a ring (slot p % R)
-    buffer_gate:  [B, R, n*Dc]    raw gate projections (without position bias), same slots
+    buffer:       [B, R, 2*n*Dc]  the raw kv and gate projections (the gate without position
+                                  bias) of the last R tokens side by side, ``[kv | gate]``:
+                                  a ring, slot p % R
 
     n = 2 and R = 2m for the overlapping CSA layout (the unfinished window and the window
     before it, whose Ca half the next entry pools), n = 1 and R = m for HCA (the unfinished
-    window). The rings are written like the window cache (`insert_ring`): slot ``p % R`` holds
-    token p for the last R positions, so every path (prefill chunks, decode steps) leaves the
-    same state. Ring slots of positions before 0 and rows of `entries` at or beyond
-    ``length // m`` hold zeros (nothing was written there).
+    window). The ring is written like the window cache (`insert_ring`, one write for both
+    projections): slot ``p % R`` holds token p for the last R positions, so every path (prefill
+    chunks, decode steps) leaves the same state. Ring slots of positions before 0 and rows of
+    `entries` at or beyond ``length // m`` hold zeros (nothing was written there).
     """
 
     entries: Array
-    buffer_kv: Array
-    buffer_gate: Array
+    buffer: Array
 
 
 @struct.dataclass
@@ -192,18 +192,16 @@ def _zero_rows(a: Array, rows) -> Array:
 
 def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,
                           dtype) -> CompressorCache:
-    """An empty compressor state: `entries` slots of `dim`, rings of `ring_slots(ratio, overlap)`
-    tokens `width` (= n*dim) wide."""
-    ring = ring_slots(ratio, overlap)
+    """An empty compressor state: `entries` slots of `dim`, a ring of `ring_slots(ratio, overlap)`
+    tokens' kv and gate projections, each `width` (= n*dim) wide."""
     return CompressorCache(
         entries=jnp.zeros((batch, entries, dim), dtype),
-        buffer_kv=jnp.zeros((batch, ring, width), dtype),
-        buffer_gate=jnp.zeros((batch, ring, width), dtype),
+        buffer=jnp.zeros((batch, ring_slots(ratio, overlap), 2 * width), dtype),
     )
 
 
 def ring_slots(ratio: int, overlap: bool) -> int:
-    """Tokens a compressor's rings hold: two windows where an entry also pools the window
+    """Tokens a compressor's ring holds: two windows where an entry also pools the window
     before its own (CSA's overlap), else one."""
     return 2 * ratio if overlap else ratio
 

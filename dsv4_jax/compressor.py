@@ -14,9 +14,9 @@ Window w covers positions ``w*m .. w*m+m-1``; its entry is, per channel,
 then ``RMSNorm(kv_norm)`` and RoPE at position ``w*m``. An entry exists once its window is
 complete, and a query at position t sees entry w iff ``w < (t + 1) // m``.
 
-Streaming: the compressor keeps the raw projections of the last tokens in a ring (`buffer_*`,
-slot p % R: the unfinished window, and for CSA the window before it, whose Ca half the next
-entry pools). A call's new tokens are laid after the unfinished window's buffered ones in a
+Streaming: the compressor keeps the raw projections of the last tokens in a ring (`buffer`,
+``[kv | gate]`` per slot p % R: the unfinished window, and for CSA the window before it,
+whose Ca half the next entry pools). A call's new tokens are laid after the unfinished window's buffered ones in a
 *stream* that starts at that window's first position, so the windows of the stream are
 aligned and the position bias of stream slot i is ``bias[i % m]``; then the call's tokens
 are written into the ring (`cache.insert_ring`, as the window cache is).
@@ -69,10 +69,10 @@ def compress(
                by the scatters (no copy of the cache)
     count:     [B] int32 or None: real tokens per row of a ragged call (``kv[:, :count]``; the
                padded slots after them are skipped: they never enter the stream, so they pool
-               into nothing, are not written into the rings and write no entry). None: all S
+               into nothing, are not written into the ring and write no entry). None: all S
                are real.
     returns    the state after the call: the entries of the windows this call completes are
-               written at rows ``length // m ..``, the call's tokens into the rings.
+               written at rows ``length // m ..``, the call's tokens into the ring.
 
     The stream can touch ``L = (m - 1 + S) // m + 1`` windows. At most ``P = L - 1`` of them
     can complete (``(length % m + count) // m <= (m - 1 + S) // m``), so only the first P are
@@ -80,12 +80,12 @@ def compress(
     written iff ``j < (length % m + count) // m``.
 
     A call of one token (decode) builds no stream (`_one_token`): the token is written into
-    the rings first and the windows are read from the updated rings, which hold them whole.
+    the ring first and the windows are read from the updated ring, which holds them whole.
 
     Shapes per step (Dc = entry width, n = 2 for CSA else 1, R = 2m for CSA else m):
-      rings   [B, R, n*Dc]      before and after the call
-      stream  [B, L*m, n*Dc]    buffered tokens, then the new ones, zero-padded
-      windows [B, L, m, n*Dc]
+      ring    [B, R, 2*n*Dc]    [kv | gate], before and after the call
+      stream  [B, L*m, 2*n*Dc]  buffered tokens, then the new ones, zero-padded
+      windows [B, L, m, n*Dc]   kv and gate each
       slots   [B, P, 2m or m, Dc] -> softmax over slots (float32) -> pooled [B, P, Dc]
     """
     xp = namespace(kv, gate, length)
@@ -101,13 +101,15 @@ def compress(
     n_new = np.int32(seq) if count is None else count.astype(np.int32)  # [B] (or S) real tokens
     completed = (buffered + n_new) // m  # [B] windows this call completes
 
-    ring_kv = insert_ring(state.buffer_kv, kv, length, frozen, count)
-    ring_gate = insert_ring(state.buffer_gate, gate, length, frozen, count)
+    width = kv.shape[-1]
+    projected = xp.concatenate([kv, gate.astype(kv.dtype)], axis=-1)  # [B, S, 2*n*Dc]: one ring write
+    ring = insert_ring(state.buffer, projected, length, frozen, count)
     if seq == 1:
-        win_kv, raw_gate, before_kv, before_gate = _one_token(ring_kv, ring_gate, first_entry, m)
+        windows, before = _one_token(ring, first_entry, m)
     else:
-        win_kv, raw_gate = _streamed(state, kv, gate, buffered, first_entry, n_new, m)
-        before_kv, before_gate = (_ring_window(r, first_entry - 1, m) for r in (state.buffer_kv, state.buffer_gate))
+        windows, before = _streamed(state.buffer, projected, buffered, first_entry, n_new, m)
+    win_kv, raw_gate = windows[..., :width], windows[..., width:]  # [B, L, m, n*Dc] each
+    before_kv, before_gate = before[..., :width], before[..., width:]  # [B, m, n*Dc]: window first_entry - 1
     # The reference adds the float32 bias to the raw gate, so the logits are float32.
     bias = position_bias.astype(np.float32)
     win_gate = raw_gate.astype(np.float32) + bias
@@ -141,7 +143,7 @@ def compress(
         write = write & ~frozen[:, None]
     write_at = xp.where(write, first_entry[:, None] + j, state.entries.shape[1])
     entries = scatter_rows(state.entries, write_at, pooled)
-    return state.replace(entries=entries, buffer_kv=ring_kv, buffer_gate=ring_gate)
+    return state.replace(entries=entries, buffer=ring)
 
 
 def _ring_window(ring: Array, w: Array, m: int) -> Array:
@@ -156,51 +158,44 @@ def _ring_window(ring: Array, w: Array, m: int) -> Array:
     return xp.where(first_half, ring[:, :m], ring[:, m:])
 
 
-def _streamed(state: CompressorCache, kv: Array, gate: Array, buffered: Array, first_entry: Array, n_new,
-              m: int):
+def _streamed(ring: Array, projected: Array, buffered: Array, first_entry: Array, n_new, m: int):
     """`compress`'s stream of a call: the buffered tokens of the unfinished window (from the
-    rings before the call), then the call's real ones, zero-padded to whole windows (stream
-    slot i holds position ``first_entry * m + i``).
+    ring before the call), then the call's real ones, zero-padded to whole windows (stream
+    slot i holds position ``first_entry * m + i``); and the window before the unfinished one.
 
-    kv, gate [B, S, n*Dc]; buffered, first_entry [B]; n_new [B] (a ragged call's real tokens)
-    or the scalar S -> the windows' kv and raw gate [B, L, m, n*Dc].
+    ring [B, R, X] before the call; projected [B, S, X] the call's ``[kv | gate]``; buffered,
+    first_entry [B]; n_new [B] (a ragged call's real tokens) or the scalar S -> the windows
+    [B, L, m, X] and window ``first_entry - 1`` [B, m, X].
     """
-    xp = namespace(kv, gate, buffered)
-    batch, seq, _ = kv.shape
+    xp = namespace(projected, buffered)
+    batch, seq, _ = projected.shape
     n_windows = (m - 1 + seq) // m + 1
     slot = xp.arange(n_windows * m, dtype=np.int32)[None, :]  # [1, L*m]
     from_buffer = slot < buffered[:, None]
     new_idx = slot - buffered[:, None]
     # A ragged row's padded slots are not part of its stream: zeros, as past the end of a call.
     from_new = (new_idx >= 0) & (new_idx < (n_new if np.ndim(n_new) == 0 else n_new[:, None]))
-
-    def windows(ring: Array, new: Array) -> Array:  # [B, L, m, n*Dc]
-        unfinished = _ring_window(ring, first_entry, m)  # [B, m, n*Dc]: its first `buffered` slots
-        old = xp.take_along_axis(unfinished, xp.clip(slot, 0, m - 1)[..., None], 1)
-        fresh = xp.take_along_axis(new, xp.clip(new_idx, 0, seq - 1)[..., None], 1)
-        zero = xp.zeros_like(fresh)
-        stream = xp.where(from_buffer[..., None], old, xp.where(from_new[..., None], fresh, zero))
-        return stream.reshape(batch, n_windows, m, -1)
-
-    return windows(state.buffer_kv, kv), windows(state.buffer_gate, gate)
+    unfinished = _ring_window(ring, first_entry, m)  # [B, m, X]: its first `buffered` slots
+    old = xp.take_along_axis(unfinished, xp.clip(slot, 0, m - 1)[..., None], 1)
+    fresh = xp.take_along_axis(projected, xp.clip(new_idx, 0, seq - 1)[..., None], 1)
+    stream = xp.where(from_buffer[..., None], old, xp.where(from_new[..., None], fresh, xp.zeros_like(fresh)))
+    return stream.reshape(batch, n_windows, m, -1), _ring_window(ring, first_entry - 1, m)
 
 
-def _one_token(ring_kv: Array, ring_gate: Array, first_entry: Array, m: int):
+def _one_token(ring: Array, first_entry: Array, m: int):
     """`compress`'s windows for a call of one token per row (decode), without a stream.
 
-    The rings already hold the token (written by `compress` first), so the unfinished window
-    and (CSA) the window before it are read from them whole. Where the token completes its
+    The ring already holds the token (written by `compress` first), so the unfinished window
+    and (CSA) the window before it are read from it whole. Where the token completes its
     window, every slot of it holds one of its tokens; where it does not, the slots after the
     token hold zeros or an older window's tokens, and the pooled result is not written.
-    Reading only the rings after the write leaves the write as the only user of the rings
-    before it: XLA updates them in place, with no copy for a reader of their old value.
+    Reading only the ring after the write leaves the write as the only user of the ring
+    before it: XLA updates it in place, with no copy for a reader of its old value.
 
-    ring_kv, ring_gate [B, R, n*Dc] (after the write); first_entry [B] -> the unfinished
-    window's kv and raw gate [B, 1, m, n*Dc], the window before it [B, m, n*Dc] each.
+    ring [B, R, X] (after the write); first_entry [B] -> the unfinished window [B, 1, m, X]
+    and the window before it [B, m, X].
     """
-    win_kv, win_gate = (_ring_window(r, first_entry, m)[:, None] for r in (ring_kv, ring_gate))
-    before_kv, before_gate = (_ring_window(r, first_entry - 1, m) for r in (ring_kv, ring_gate))
-    return win_kv, win_gate, before_kv, before_gate
+    return _ring_window(ring, first_entry, m)[:, None], _ring_window(ring, first_entry - 1, m)
 
 
 def visible_entries(positions: Array, ratio: int) -> Array:

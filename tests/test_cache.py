@@ -23,12 +23,12 @@ def test_shapes_per_layer_type():
     assert shapes[0].window == (2, 8, 32) and shapes[0].compressor is None and shapes[0].indexer is None
     csa = shapes[1]
     # CSA's rings hold two windows of m = 4 (the unfinished one and the one before it, whose
-    # Ca half the next entry pools), [Ca | Cb] wide; HCA's one window of m = 8.
-    assert csa.compressor.entries == (2, 9, 32) and csa.compressor.buffer_kv == (2, 8, 64)
-    assert csa.compressor.buffer_gate == (2, 8, 64) and csa.indexer.entries == (2, 9, 16)
-    assert csa.indexer.buffer_kv == (2, 8, 32)
+    # Ca half the next entry pools), kv and gate side by side, each [Ca | Cb] wide; HCA's one
+    # window of m = 8.
+    assert csa.compressor.entries == (2, 9, 32) and csa.compressor.buffer == (2, 8, 2 * 64)
+    assert csa.indexer.entries == (2, 9, 16) and csa.indexer.buffer == (2, 8, 2 * 32)
     hca = shapes[2]
-    assert hca.compressor.entries == (2, 4, 32) and hca.compressor.buffer_kv == (2, 8, 32)
+    assert hca.compressor.entries == (2, 4, 32) and hca.compressor.buffer == (2, 8, 2 * 32)
     assert hca.indexer is None
 
 

@@ -64,14 +64,13 @@ def test_streaming_matches_one_shot_oracle(xp, m, overlap):
         expected = oracle(c[:, :start].astype(np.float64), z[:, :start].astype(np.float64), bias, norm_w, m,
                           overlap, freqs)
         np.testing.assert_allclose(np.asarray(state.entries)[:, :done], expected, rtol=2e-5, atol=2e-6)
-        # The rings hold the last R tokens' raw projections, slot p % R (R = 2m for CSA: the
-        # unfinished window and the one before it; m for HCA), zeros where no token was yet.
+        # The ring holds the last R tokens' raw projections [kv | gate], slot p % R (R = 2m for
+        # CSA: the unfinished window and the one before it; m for HCA), zeros where no token was yet.
         ring = ring_slots(m, overlap)
         held = np.arange(max(0, start - ring), start)
-        expected_kv, expected_gate = np.zeros((2, ring, width), np.float32), np.zeros((2, ring, width), np.float32)
-        expected_kv[:, held % ring], expected_gate[:, held % ring] = c[:, held], z[:, held]
-        np.testing.assert_array_equal(np.asarray(state.buffer_kv), expected_kv)
-        np.testing.assert_array_equal(np.asarray(state.buffer_gate), expected_gate)
+        expected = np.zeros((2, ring, 2 * width), np.float32)
+        expected[:, held % ring] = np.concatenate([c[:, held], z[:, held]], axis=-1)
+        np.testing.assert_array_equal(np.asarray(state.buffer), expected)
 
 
 def test_an_entry_is_visible_from_the_last_token_of_its_window():
@@ -82,8 +81,8 @@ def test_an_entry_is_visible_from_the_last_token_of_its_window():
 @pytest.mark.parametrize(("m", "overlap"), [(4, True), (8, False)], ids=["csa", "hca"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_decode_step_copies_no_compressor_state(m, overlap, batch):
-    # A decode step writes its token into the rings in place (one scatter each) and reads the
-    # windows it pools from the updated rings: no reader of a ring's old value is left, so XLA's
+    # A decode step writes its token into the ring in place (one scatter) and reads the
+    # windows it pools from the updated ring: no reader of the ring's old value is left, so XLA's
     # optimized program, with the state donated as in a serving step, copies none of the
     # state. (Reading the old buffers and a separate CSA overlap while writing them cost two
     # copies of each buffer and one of each overlap array, on the CPU and at B = 1 on the H200:
