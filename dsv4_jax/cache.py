@@ -12,7 +12,8 @@ field               shape                 meaning
 ==================  ====================  ===============================================
 length              [B] int32             tokens seen per row (a host mirror when eager)
 window              [B, W, D]             rotated K=V of the last W tokens, slot p % W
-compressor          CompressorCache       CSA/HCA layers: compressed KV entries + state
+compressor          CompressorCache       CSA/HCA layers: compressed KV entries + a ring of
+                                          the last tokens' raw projections (slot p % R)
 indexer             CompressorCache       CSA layers: the indexer's own key compressor
 ==================  ====================  ===============================================
 
