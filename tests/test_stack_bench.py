@@ -88,6 +88,8 @@ def test_the_hlo_census_reads_copies_conditionals_and_thunks(tmp_path):
 ENTRY %main (hidden_states.1: bf16[32,1,64], caches_0__length.1: s32[32]) -> s32[32] {
   %hidden_states.1 = bf16[32,1,64]{2,1,0} parameter(0)
   %copy.3 = s32[32]{0} copy(%caches_0__length.1), metadata={scheduling_name="copy.3"}
+  %input_scatter_fusion.2 = bf16[32,8,4]{2,1,0} fusion(%caches_0__window.1, %i, %u), kind=kInput
+  %loop_dynamic_update_slice_fusion.1 = bf16[32,8,4]{2,1,0} fusion(%caches_0__ring.1, %i, %u), kind=kLoop
   %cond = (f32[2]) conditional(%pred, %a, %b), branch_computations={%branch, %branch}
   %cc = f32[2] custom-call(%x), custom_call_target="dsv4_topk"
 }
@@ -106,9 +108,9 @@ ENTRY %main (hidden_states.1: bf16[32,1,64], caches_0__length.1: s32[32]) -> s32
     row = rows[0]
     assert row["module"] == "module_0001.jit_stack_step" and row["batch"] == 32 and row["tokens"] == 1
     assert row["copies"] == [{"name": "copy.3", "shape": "s32[32]{0}", "of": "caches_0__length.1"}]  # entry only
-    assert row["conditionals"] == 1 and row["custom_calls"] == 1
+    assert row["conditionals"] == 1 and row["custom_calls"] == 1 and row["scatters"] == 2  # the cache writes
     assert row["thunks"] == {"kCustomKernel": 2, "kCopy": 1, "kConditional": 1}
-    assert "| module_0001.jit_stack_step | bf16[32, 1, 64] | 1 | 1 | 1 |" in hlo_census.markdown(rows)
+    assert "| module_0001.jit_stack_step | bf16[32, 1, 64] | 1 | 2 | 1 | 1 |" in hlo_census.markdown(rows)
 
 
 def test_the_profile_describes_kernels_without_a_source():
