@@ -365,7 +365,7 @@ def environment() -> dict:
 
 def apply_kernel_switches(args) -> None:
     """The A/B switches of the command line, set on the package's modules (read at trace time):
-    --dot-min-rows, --(no-)decode-kernel, --(no-)prefill-kernel, and --prefill-blocks, the
+    --dot-min-rows, --(no-)decode-kernel, --(no-)prefill-kernel, --window-keys-first, and --prefill-blocks, the
     blocks of every prefill the kernel runs (the CUDA default table's prefill entries and a
     forced kernel's)."""
     if getattr(args, "dot_min_rows", None) is not None:
@@ -378,6 +378,8 @@ def apply_kernel_switches(args) -> None:
         sparse_attention_mod.PREFILL_KERNEL = False
     elif getattr(args, "prefill_kernel", False):
         sparse_attention_mod.PREFILL_KERNEL = True
+    if getattr(args, "window_keys_first", False):
+        sparse_attention_mod.WINDOW_KEYS_FIRST = True
     if getattr(args, "prefill_blocks", None):  # bk,bh,warps,stages[,skip]
         blocks = tuple(int(v) for v in args.prefill_blocks.split(","))
         sparse_attention_kernel.FORCED_BLOCKS["prefill"] = blocks
@@ -400,6 +402,7 @@ def run(args, write=None) -> tuple[list, dict]:
             "prefill_kernel": switch_names.get(sparse_attention_mod.PREFILL_KERNEL,
                                                str(sparse_attention_mod.PREFILL_KERNEL)),
             "prefill_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["prefill"]),
+            "window_keys_first": sparse_attention_mod.WINDOW_KEYS_FIRST,
             "fused_input_projections": not getattr(args, "unfused_projections", False), **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
@@ -561,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS,STAGES[,SKIP]",
                     help="blocks of every prefill the kernel runs (the CUDA default table's prefill entries "
                          "and sparse_attention_kernel.FORCED_BLOCKS['prefill']); SKIP 1 = skip_masked_blocks")
+    ap.add_argument("--window-keys-first", action="store_true",
+                    help="the XLA path's window logits with the keys as the dot's left operand "
+                         "(dsv4_jax.sparse_attention.WINDOW_KEYS_FIRST = True) for A/B runs")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 
