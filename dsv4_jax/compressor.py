@@ -16,10 +16,10 @@ complete, and a query at position t sees entry w iff ``w < (t + 1) // m``.
 
 Streaming: the compressor keeps the raw projections of the last tokens in a ring (`buffer`,
 ``[kv | gate]`` per slot p % R: the unfinished window, and for CSA the window before it,
-whose Ca half the next entry pools). A call's new tokens are laid after the unfinished window's buffered ones in a
-*stream* that starts at that window's first position, so the windows of the stream are
-aligned and the position bias of stream slot i is ``bias[i % m]``; then the call's tokens
-are written into the ring (`cache.insert_ring`, as the window cache is).
+whose Ca half the next entry pools). A call's new tokens are laid after the unfinished
+window's buffered ones in a *stream* that starts at that window's first position, so the
+windows of the stream are aligned and the position bias of stream slot i is ``bias[i % m]``;
+the call's tokens are written into the ring (`cache.insert_ring`, as the window cache is).
 """
 
 from __future__ import annotations
