@@ -10,7 +10,7 @@
 #            stage in its JSON and log; bench/stack.py keeps command buffers on while profiling)
 #   FLAGS_T  extra XLA flags for the runs of tag T (e.g. FLAGS_nomerge="--xla_disable_hlo_passes=dot-merger"
 #            with ORDER="new nomerge new": a tag with no build/ab_T directory runs the tree as it is)
-#   ARGS_T   extra bench/stack.py arguments for the runs of tag T (e.g. ARGS_keys="--window-keys-first")
+#   ARGS_T   extra bench/stack.py arguments for the runs of tag T (e.g. ARGS_nock="--no-compress-kernel")
 #                                   device run:  bash bench/gpu_tree_ab.sh    (records in $OUT)
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -38,9 +38,13 @@ i=0
 for tag in $ORDER; do
   i=$((i + 1)); use "$tag"
   extra_flags=$(eval echo "\${FLAGS_$tag:-}"); extra_args=$(eval echo "\${ARGS_$tag:-}")
-  XLA_FLAGS="${XLA_FLAGS:-} $extra_flags" timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py $extra_args ${PROFILE:+--profile $PROFILE} --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
-    --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" --json "$OUT/h200_stack_ab_${i}_$tag.json" \
-    >"$OUT/stack_ab_${i}_$tag.log" 2>&1
+  # XLA reads a non-empty XLA_FLAGS that does not start with "--" as a file name: a lone
+  # space (no flags anywhere) must become no variable at all.
+  xla_flags=$(echo ${XLA_FLAGS:-} $extra_flags)
+  ( if [ -n "$xla_flags" ]; then export XLA_FLAGS="$xla_flags"; else unset XLA_FLAGS; fi
+    timeout ${STACK_TIMEOUT:-120} python3 bench/stack.py $extra_args ${PROFILE:+--profile $PROFILE} --size flash --scenarios stack_decode --stacks "${STACKS:-csa}" \
+      --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" --json "$OUT/h200_stack_ab_${i}_$tag.json" \
+      >"$OUT/stack_ab_${i}_$tag.log" 2>&1 )
   echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -6
 done
 use new

@@ -51,6 +51,7 @@ import math
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -365,9 +366,9 @@ def environment() -> dict:
 
 def apply_kernel_switches(args) -> None:
     """The A/B switches of the command line, set on the package's modules (read at trace time):
-    --dot-min-rows, --(no-)decode-kernel, --(no-)prefill-kernel, --window-keys-first, and --prefill-blocks, the
-    blocks of every prefill the kernel runs (the CUDA default table's prefill entries and a
-    forced kernel's)."""
+    --dot-min-rows, --(no-)decode-kernel, --(no-)prefill-kernel, --(no-)compress-kernel,
+    --decode-blocks (a forced decode kernel's blocks) and --prefill-blocks (the blocks of every
+    prefill the kernel runs: the CUDA default table's prefill entries and a forced kernel's)."""
     if getattr(args, "dot_min_rows", None) is not None:
         backend.DOT_MIN_ROWS = args.dot_min_rows
     if getattr(args, "no_decode_kernel", False):
@@ -378,14 +379,27 @@ def apply_kernel_switches(args) -> None:
         sparse_attention_mod.PREFILL_KERNEL = False
     elif getattr(args, "prefill_kernel", False):
         sparse_attention_mod.PREFILL_KERNEL = True
-    if getattr(args, "window_keys_first", False):
-        sparse_attention_mod.WINDOW_KEYS_FIRST = True
+    if getattr(args, "no_compress_kernel", False):
+        compressor_kernel_module().COMPRESS_KERNEL = False
+    elif getattr(args, "compress_kernel", False):
+        compressor_kernel_module().COMPRESS_KERNEL = True
+    if getattr(args, "decode_blocks", None):  # bk,bh,warps,stages: a forced decode kernel's blocks
+        sparse_attention_kernel.FORCED_BLOCKS["decode"] = tuple(int(v) for v in args.decode_blocks.split(","))
     if getattr(args, "prefill_blocks", None):  # bk,bh,warps,stages[,skip]
         blocks = tuple(int(v) for v in args.prefill_blocks.split(","))
         sparse_attention_kernel.FORCED_BLOCKS["prefill"] = blocks
         table = sparse_attention_kernel.CUDA_DEFAULT_BLOCKS
         for key in [key for key in table if key[1] == "prefill"]:
             table[key] = blocks
+
+
+def compressor_kernel_module():
+    """dsv4_jax.compressor_kernel, or a stand-in where an A/B run's older tree has none."""
+    try:
+        from dsv4_jax import compressor_kernel
+    except ImportError:
+        return types.SimpleNamespace()
+    return compressor_kernel
 
 
 def run(args, write=None) -> tuple[list, dict]:
@@ -402,7 +416,8 @@ def run(args, write=None) -> tuple[list, dict]:
             "prefill_kernel": switch_names.get(sparse_attention_mod.PREFILL_KERNEL,
                                                str(sparse_attention_mod.PREFILL_KERNEL)),
             "prefill_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["prefill"]),
-            "window_keys_first": sparse_attention_mod.WINDOW_KEYS_FIRST,
+            "decode_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["decode"]),
+            "compress_kernel": switch_names.get(getattr(compressor_kernel_module(), "COMPRESS_KERNEL", "absent")),
             "fused_input_projections": not getattr(args, "unfused_projections", False), **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
@@ -564,9 +579,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS,STAGES[,SKIP]",
                     help="blocks of every prefill the kernel runs (the CUDA default table's prefill entries "
                          "and sparse_attention_kernel.FORCED_BLOCKS['prefill']); SKIP 1 = skip_masked_blocks")
-    ap.add_argument("--window-keys-first", action="store_true",
-                    help="the XLA path's window logits with the keys as the dot's left operand "
-                         "(dsv4_jax.sparse_attention.WINDOW_KEYS_FIRST = True) for A/B runs")
+    ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
+                    help="blocks of a forced decode kernel (sparse_attention_kernel.FORCED_BLOCKS['decode']: "
+                         "the shapes --decode-kernel runs where the CUDA default table has none)")
+    ap.add_argument("--no-compress-kernel", action="store_true",
+                    help="the compressor's decode pooling by the XLA path on CUDA too "
+                         "(dsv4_jax.compressor_kernel.COMPRESS_KERNEL = False) for A/B runs")
+    ap.add_argument("--compress-kernel", action="store_true",
+                    help="the compressor's decode pooling kernel on CUDA at every batch, one row too "
+                         "(COMPRESS_KERNEL = True; the default starts at compressor_kernel.CUDA_MIN_BATCH)")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

@@ -24,9 +24,13 @@ the call's tokens are written into the ring (`cache.insert_ring`, as the window 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 from flax import struct
 
+from . import compressor_kernel
 from .backend import Array, namespace, scatter_rows
 from .cache import CompressorCache, insert_ring
 from .norms import rms_norm
@@ -80,7 +84,8 @@ def compress(
     written iff ``j < (length % m + count) // m``.
 
     A call of one token (decode) builds no stream (`_one_token`): the token is written into
-    the ring first and the windows are read from the updated ring, which holds them whole.
+    the ring first and the windows are read from the updated ring, which holds them whole; on
+    CUDA a Pallas kernel pools them, for the completing rows only (`_pool_one_token`).
 
     Shapes per step (Dc = entry width, n = 2 for CSA else 1, R = 2m for CSA else m):
       ring    [B, R, 2*n*Dc]    [kv | gate], before and after the call
@@ -92,7 +97,6 @@ def compress(
     seq = kv.shape[1]
     m = ratio
     dtype = kv.dtype
-    dc = kv_norm.shape[-1]
     n_windows = (m - 1 + seq) // m + 1
     n_pooled = n_windows - 1  # windows that can complete in this call
 
@@ -101,19 +105,45 @@ def compress(
     n_new = np.int32(seq) if count is None else count.astype(np.int32)  # [B] (or S) real tokens
     completed = (buffered + n_new) // m  # [B] windows this call completes
 
-    width = kv.shape[-1]
     projected = xp.concatenate([kv, gate.astype(kv.dtype)], axis=-1)  # [B, S, 2*n*Dc]: one ring write
     ring = insert_ring(state.buffer, projected, length, frozen, count)
     if seq == 1:
-        windows, before = _one_token(ring, first_entry, m)
+        pooled = _pool_one_token(ring, first_entry, completed > 0, position_bias, m, overlap, dtype)
     else:
         windows, before = _streamed(state.buffer, projected, buffered, first_entry, n_new, m)
-    win_kv, raw_gate = windows[..., :width], windows[..., width:]  # [B, L, m, n*Dc] each
-    before_kv, before_gate = before[..., :width], before[..., width:]  # [B, m, n*Dc]: window first_entry - 1
+        pooled = _pool(windows[:, :n_pooled], before, first_entry, position_bias, overlap, dtype)
+    pooled = rms_norm(pooled, kv_norm, eps)
+    entry_pos = (first_entry[:, None] + xp.arange(n_pooled, dtype=np.int32)[None, :]) * m  # [B, P]
+    pooled = apply_rope(pooled, entry_pos, freqs, scale=rope_scale)
+
+    # Write the completed windows' entries.
+    j = xp.arange(n_pooled, dtype=np.int32)[None, :]
+    write = j < completed[:, None]
+    if frozen is not None:
+        write = write & ~frozen[:, None]
+    write_at = xp.where(write, first_entry[:, None] + j, state.entries.shape[1])
+    entries = scatter_rows(state.entries, write_at, pooled)
+    return state.replace(entries=entries, buffer=ring)
+
+
+def _pool(windows: Array, before: Array, first_entry: Array, position_bias: Array, overlap: bool, dtype) -> Array:
+    """The gated pooling of P windows: their pre-norm entries (XLA or NumPy).
+
+    windows [B, P, m, 2*n*Dc] (``[kv | gate]`` per slot, window j = entry first_entry + j);
+    before [B, m, 2*n*Dc] window ``first_entry - 1`` (CSA pools its Ca half into entry
+    first_entry; absent where first_entry = 0); position_bias [m, n*Dc] float32
+    -> [B, P, Dc] in `dtype`:
+
+      slots [B, P, 2m or m, Dc] -> softmax over slots (float32) -> pooled [B, P, Dc]
+    """
+    xp = namespace(windows, first_entry)
+    width = windows.shape[-1] // 2
+    dc = width // (2 if overlap else 1)
+    win_kv, raw_gate = windows[..., :width], windows[..., width:]  # [B, P, m, n*Dc] each
+    before_kv, before_gate = before[..., :width], before[..., width:]  # [B, m, n*Dc]
     # The reference adds the float32 bias to the raw gate, so the logits are float32.
     bias = position_bias.astype(np.float32)
-    win_gate = raw_gate.astype(np.float32) + bias
-    pool_kv, pool_gate = win_kv[:, :n_pooled], win_gate[:, :n_pooled]  # [B, P, m, n*Dc]
+    pool_kv, pool_gate = win_kv, raw_gate.astype(np.float32) + bias
 
     if overlap:
         # Entry w pools [Ca of window w-1 | Cb of window w]. Window -1 of the stream is the
@@ -131,19 +161,31 @@ def compress(
     probs = xp.exp(slots_gate - xp.max(slots_gate, axis=2, keepdims=True))
     probs = (probs / xp.sum(probs, axis=2, keepdims=True)).astype(dtype)
     # Product in the kv dtype, sum accumulated in float32 and rounded once (a torch bf16 sum).
-    pooled = (slots_kv * probs).astype(np.float32).sum(axis=2).astype(dtype)  # [B, L, Dc]
-    pooled = rms_norm(pooled, kv_norm, eps)
-    entry_pos = (first_entry[:, None] + xp.arange(n_pooled, dtype=np.int32)[None, :]) * m  # [B, P]
-    pooled = apply_rope(pooled, entry_pos, freqs, scale=rope_scale)
+    return (slots_kv * probs).astype(np.float32).sum(axis=2).astype(dtype)  # [B, P, Dc]
 
-    # Write the completed windows' entries.
-    j = xp.arange(n_pooled, dtype=np.int32)[None, :]
-    write = j < completed[:, None]
-    if frozen is not None:
-        write = write & ~frozen[:, None]
-    write_at = xp.where(write, first_entry[:, None] + j, state.entries.shape[1])
-    entries = scatter_rows(state.entries, write_at, pooled)
-    return state.replace(entries=entries, buffer=ring)
+
+def _pool_one_token(ring: Array, first_entry: Array, completes: Array, position_bias: Array, m: int,
+                    overlap: bool, dtype) -> Array:
+    """A decode step's pooled entry [B, 1, Dc]: `_pool` of `_one_token`'s windows, or on CUDA
+    `compressor_kernel.pool_one_token` (one kernel, only for the rows in `completes` [B]; the
+    others' results are never written). `compressor_kernel.COMPRESS_KERNEL` and
+    `CUDA_MIN_BATCH` choose."""
+    def xla(ring, first_entry, completes, position_bias):
+        windows, before = _one_token(ring, first_entry, m)
+        return _pool(windows, before, first_entry, position_bias, overlap, dtype)
+
+    switch = compressor_kernel.COMPRESS_KERNEL
+    if isinstance(ring, np.ndarray) or switch is False:
+        return xla(ring, first_entry, completes, position_bias)
+    kernel = functools.partial(compressor_kernel.pool_one_token, ratio=m, overlap=overlap)
+    if switch == "interpret":  # the kernel on any backend (tests, CPU)
+        return kernel(ring, first_entry, completes, position_bias, interpret=True)
+    # Only where a GPU is the default backend (Pallas lowers Triton kernels only there); chosen
+    # when the program is lowered for its platform, as `sparse_attention`'s kernel is.
+    chosen = switch is True or ring.shape[0] >= compressor_kernel.CUDA_MIN_BATCH
+    if not chosen or jax.default_backend() != "gpu" or not compressor_kernel.supported(ring, m, overlap):
+        return xla(ring, first_entry, completes, position_bias)
+    return jax.lax.platform_dependent(ring, first_entry, completes, position_bias, cuda=kernel, default=xla)
 
 
 def _ring_window(ring: Array, w: Array, m: int) -> Array:

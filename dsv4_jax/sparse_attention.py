@@ -163,7 +163,7 @@ def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, pre
         else:
             kw = jnp.take_along_axis(pool_[:, None], jnp.maximum(widx, 0)[..., None], axis=2)  # [B, s, W, D]
         parts = [(
-            _logits(_window_dots(qb, kw, dtype, precision), scale),
+            _logits(einsum("bshd,bswd->bshw", qb, kw, out_dtype=dtype, precision=precision), scale),
             (widx >= 0)[:, :, None, :], "bshw,bswd->bshd", kw,
         )]
         if ents is not None and picks is not None:  # CSA: the indexer's picks, gathered per query
@@ -213,28 +213,6 @@ def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, pre
 # every backend (the CPU parity tests). Read at trace time.
 DECODE_KERNEL: bool | str | None = None
 PREFILL_KERNEL: bool | str | None = None
-
-
-# The window logits of the XLA path with the keys as the dot's left operand (True) instead of
-# the queries (False, the default). XLA's dot-merger joins two dots that share an operand in
-# the same place: on the H200 it joined an HCA decode step's window and entries logits GEMMs
-# (both queries-first) into one GEMM over a [window | entries] operand concatenated every step
-# (an 11 us concatenation a layer at B = 32; bench/RESULTS.md, "The census of the decode step
-# as it stands"). Keys first, they cannot be joined. The same products; not yet measured on
-# the GPU (A/B: bench/stack.py --window-keys-first). Read at trace time.
-WINDOW_KEYS_FIRST: bool = False
-
-
-def _window_dots(q: Array, keys: Array, dtype, precision) -> Array:
-    """q [B, s, H, D], the window keys [B, s, W, D] (or [B, 1, W, D] where s = 1) -> the
-    dots [B, s, H, W] in `dtype` (float32 accumulation), by `backend.einsum` or, with
-    `WINDOW_KEYS_FIRST`, by a dot_general whose left operand is the keys."""
-    if not WINDOW_KEYS_FIRST:
-        return einsum("bshd,bswd->bshw", q, keys, out_dtype=dtype, precision=precision)
-    # jnp.einsum would put the queries first again (it orders operands by the output's axes).
-    dots = jax.lax.dot_general(keys.astype(dtype), q.astype(dtype), (((3,), (3,)), ((0, 1), (0, 1))),
-                               precision=precision, preferred_element_type=dtype)  # [B, s, W, H]
-    return jnp.swapaxes(dots, -1, -2)
 
 
 def _logits(dots: Array, scale: float) -> Array:

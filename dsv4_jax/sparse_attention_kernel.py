@@ -58,7 +58,12 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #     CSA B = 1:  24.7 (bk 16, bh 32) against 28.9     HCA B = 1:  20.2 (bk 32, bh 16) against 30.3
 #     CSA B = 32: 58.6 at best against 56.8            HCA B = 32: 37.7 at best against 31.7
 #   so one-row decode only; decode batches keep the XLA path (its gathers are amortised over
-#   the rows, and the kernel's per-program loop is not);
+#   the rows, and the kernel's per-program loop is not). With Triton's pipelining (sweep of
+#   results/h200_decode_kernel_sweep_2026-12-01_s8.json) CSA B = 32 fell to 45.7 (bk 64, bh 64,
+#   2 stages) against 62.6 for the XLA op measured there, which gathers its window; inside the
+#   stack the XLA path reads the window in place and costs ~42 us a layer, so the batch entry
+#   waits for an in-stack A/B (`bench/stack.py --decode-kernel --decode-blocks 64,64,8,2`);
+#   HCA B = 32 stayed level (36.4 against 38.1);
 #   prefill of 4096 tokens (results/h200_prefill_kernel_blocks3_2026-12-01.json):
 #     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5473   HCA: 1231 (same) against 2532
 #   and with `skip_masked_blocks` (results/h200_prefill_kernel_blocks4_2026-12-01.json):

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax import sparse_attention as sparse_attention_mod
 from dsv4_jax.cache import insert_ring
 from dsv4_jax.sparse_attention import AttentionOutput, key_pool, sparse_attention, window_indices
 
@@ -31,12 +30,9 @@ def test_window_indices_address_the_last_w_positions():
     assert first[0].tolist() == [[-1, -1, -1, 4], [-1, -1, 4, 5]]
 
 
-@pytest.mark.parametrize("keys_first", [False, True], ids=["queries_first", "keys_first"])
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("block", [256, 3])
-def test_matches_dense_masked_attention(kind, block, keys_first, monkeypatch):
-    # Both spellings of the window logits (`WINDOW_KEYS_FIRST`) against the float64 reference.
-    monkeypatch.setattr(sparse_attention_mod, "WINDOW_KEYS_FIRST", keys_first)
+def test_matches_dense_masked_attention(kind, block):
     rng = np.random.default_rng(0)
     b, s, h, d, w, t, k, start = 2, 7, 3, 8, 4, 6, 3, 9
     q = rng.normal(size=(b, s, h, d)).astype(np.float32)
@@ -83,16 +79,13 @@ def test_matches_dense_masked_attention(kind, block, keys_first, monkeypatch):
     np.testing.assert_array_equal(np.asarray(bare.o), np.asarray(out))
 
 
-@pytest.mark.parametrize("keys_first", [False, True], ids=["queries_first", "keys_first"])
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("start", [0, 2, 9])
-def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start, keys_first, monkeypatch):
+def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start):
     """A decode step's keys come from the window cache after the insert, in slot order (slot j,
     -1 while it holds no position), and the XLA path reads that cache without a gathered copy:
-    the same attention as over [cache before | new key] gathered by position, masses included
-    (with either spelling of the window logits, `WINDOW_KEYS_FIRST`). A prefill keeps the
-    concatenated pool."""
-    monkeypatch.setattr(sparse_attention_mod, "WINDOW_KEYS_FIRST", keys_first)
+    the same attention as over [cache before | new key] gathered by position, masses included.
+    A prefill keeps the concatenated pool."""
     rng = np.random.default_rng(start)
     b, h, d, w, t = 2, 3, 8, 4, 6
     q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.float32)
