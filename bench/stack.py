@@ -402,6 +402,12 @@ def compressor_kernel_module():
     return compressor_kernel
 
 
+def compress_switch_name(switch_names: dict) -> str:
+    """The compressor kernel's switch as the records name it ("absent" in a tree without it)."""
+    value = getattr(compressor_kernel_module(), "COMPRESS_KERNEL", "absent")
+    return switch_names.get(value, str(value))
+
+
 def run(args, write=None) -> tuple[list, dict]:
     apply_kernel_switches(args)
     switch_names = {None: "cuda default", True: "everywhere on cuda", False: "off"}
@@ -417,7 +423,7 @@ def run(args, write=None) -> tuple[list, dict]:
                                                str(sparse_attention_mod.PREFILL_KERNEL)),
             "prefill_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["prefill"]),
             "decode_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["decode"]),
-            "compress_kernel": switch_names.get(getattr(compressor_kernel_module(), "COMPRESS_KERNEL", "absent")),
+            "compress_kernel": compress_switch_name(switch_names),
             "fused_input_projections": not getattr(args, "unfused_projections", False), **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")

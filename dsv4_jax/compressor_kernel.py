@@ -21,8 +21,9 @@ to the kv dtype, the products in the kv dtype, their sum accumulated in float32 
 once. Only the order of the float32 sums may differ, so float32 agrees within rounding and
 bf16 within one rounding of the entry (`tests/test_compressor_kernel.py`).
 
-`compressor.compress` chooses it on CUDA (`COMPRESS_KERNEL`), where it is a Triton kernel
-inside the step's CUDA graph; the XLA path stays the reference and runs everywhere else.
+`compressor.compress` chooses it on CUDA from `CUDA_MIN_BATCH` rows (`COMPRESS_KERNEL`), where
+it is a Triton kernel inside the step's CUDA graph; the XLA path stays the reference and runs
+everywhere else.
 """
 
 from __future__ import annotations
