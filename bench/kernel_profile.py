@@ -151,10 +151,31 @@ def profile(run_once, steps: int, log_dir: str, module_filter: str | None = None
     if not paths:
         raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {log_dir}")
     out = summarize(paths[-1], steps, module_filter)
+    out["host_events"] = host_events(paths[-1], steps)
     out["wall_us_per_step"] = 1e6 * wall
     out["steps"] = steps
     out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     return out
+
+
+def host_events(xplane_path: str, steps: int, top: int = 20) -> list:
+    """The host's side of the traced steps: the largest event names of the host plane's
+    threads (XLA's execute, thunk and CUDA API events), us per step and count per step.
+    Events nest (an execute holds its thunks), so the rows overlap and do not add up."""
+    data = jax.profiler.ProfileData.from_file(xplane_path)
+    per_name = collections.defaultdict(lambda: [0.0, 0])
+    for plane in data.planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                if "profiler.py" in ev.name:  # the trace's own stop, outside the steps
+                    continue
+                rec = per_name[f"{line.name[:24]}: {ev.name[:70]}"]
+                rec[0] += ev.duration_ns / 1e3
+                rec[1] += 1
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"event": k, "us_per_step": us / steps, "per_step": n / steps} for k, (us, n) in rows]
 
 
 def markdown(summary: dict, top: int = 25, title: str = "") -> str:
@@ -171,4 +192,8 @@ def markdown(summary: dict, top: int = 25, title: str = "") -> str:
         for r in summary["by_source"][:top]:
             lines.append(f"| `{r['source']}` | {r['us_per_step']:.1f} | {100 * r['us_per_step'] / busy:.0f}% | "
                          f"{r['kernels_per_step']:.1f} | {r['ops']} |")
+    if summary.get("host_events"):
+        lines += ["", "| host event (thread: name; nested, overlapping) | us/step | per step |", "|---|---|---|"]
+        for r in summary["host_events"]:
+            lines.append(f"| `{r['event']}` | {r['us_per_step']:.1f} | {r['per_step']:.1f} |")
     return "\n".join(lines)

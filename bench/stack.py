@@ -25,7 +25,8 @@ Scenarios (records ``scenario``):
                    steps back to back (as a model's decode loop does: dispatch overlaps the
                    device) and is timed as a whole; ``per_layer_ms`` = median over repeats of
                    (repeat time / steps / N). ``step_ms_blocking`` times single steps with a
-                   block after each (includes the dispatch latency).
+                   block after each (includes the dispatch latency); ``host_dispatch_ms`` is the
+                   host's time per step to dispatch a repeat (near ``step_ms``: host-bound).
 ``stack_prefill``  one prompt of L tokens (``--prefills``: 4k, 16k) into empty caches, B = 1;
                    median over repeats of whole calls.
 
@@ -191,12 +192,13 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
     compile_s = clock.stop()
     positions = [_positions(batch, context + i, 1) for i in range(total)]  # uploaded before timing
     jax.block_until_ready(positions)
-    per_step = []
+    per_step, dispatched = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(steps):
             h, caches = STACK_STEP(stack.weights, caches, x, positions[pos - context], specs=stack.specs)
             pos += 1
+        dispatched.append((time.perf_counter() - t0) / steps)
         jax.block_until_ready((h, caches))
         per_step.append((time.perf_counter() - t0) / steps)
     blocking = []
@@ -212,6 +214,9 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
     return {"step_ms": step_ms, "per_layer_ms": step_ms / n,
             "per_layer_ms_repeats": [1e3 * t / n for t in per_step],
             "step_ms_blocking": 1e3 * float(np.median(blocking)),
+            # The host's time to hand the device a step (the dispatch loop, before the block):
+            # near step_ms, the host and not the device sets the pace of the pipelined steps.
+            "host_dispatch_ms": 1e3 * float(np.median(dispatched)),
             "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len,
             "steps": steps, "repeats": repeats, "output_finite": finite,
             **stack.floor(batch, context + warm + repeats * steps // 2, 1)}
@@ -495,7 +500,8 @@ def _line(rec: dict) -> str:
     ratio = rec.get("ratio_to_floor")
     return (f"{rec['scenario']} {rec['mode']} {rec['stack']} B{rec['batch']} L{length}: "
             f"{rec['per_layer_ms']:.3f} ms/layer (floor {rec['floor_ms']:.3f}"
-            + (f", x{ratio:.1f}" if ratio else "") + f"), compile {rec['compile_s']:.1f} s")
+            + (f", x{ratio:.1f}" if ratio else "") + f"), compile {rec['compile_s']:.1f} s"
+            + (f", host {rec['host_dispatch_ms']:.3f} ms/step" if "host_dispatch_ms" in rec else ""))
 
 
 def markdown(records: list, meta: dict) -> str:

@@ -45,12 +45,13 @@ NUM_WARPS = 4
 # mode on every backend (the CPU parity tests). Read at trace time.
 COMPRESS_KERNEL: bool | str | None = None
 
-# Where it measured faster (H200, V4-Flash bf16, 4-layer stacks at 16k, one call, bench/RESULTS.md
-# "The compressors' decode pooling as a kernel"): B = 32 CSA 0.206 against 0.213 ms a layer,
-# HCA 0.139-0.143 against 0.149 (the profile: 10-11 us a layer less in the compressors). At
-# B = 1 the same runs spread too widely to say (HCA 0.106-0.211 with it, 0.110-0.138 without,
-# in other processes): one-row steps keep the XLA path until an A/B settles it.
-CUDA_MIN_BATCH = 2
+# Where it measured faster (H200, V4-Flash bf16, 4-layer stacks at 16k, bench/RESULTS.md
+# "The compressors' decode pooling as a kernel" and "The [window | entries] concatenation
+# gone"): B = 32 CSA 0.206 against 0.213 ms a layer, HCA 0.139-0.143 against 0.149 (the
+# profile: 10-11 us a layer less in the compressors); B = 1, interleaved processes of one call
+# (2026-12-02), lower in all four pairs: HCA 0.103 / 0.180 against 0.112 / 0.193, CSA 0.188 /
+# 0.235 against 0.205 / 0.237. So every batch (the threshold stays for a shape where it loses).
+CUDA_MIN_BATCH = 1
 
 
 def _kernel(first_ref, done_ref, ring_ref, bias_ref, out_ref, *, m: int, dc: int, bc: int, overlap: bool):
@@ -65,32 +66,34 @@ def _kernel(first_ref, done_ref, ring_ref, bias_ref, out_ref, *, m: int, dc: int
 
     @pl.when(done_ref[b] != 0)
     def _():
+        def slots(first, offset):
+            # m ring slots from `first`: their kv channels offset + col .. (bc of them) and the
+            # float32 gate logits of the same channels
+            kv = ring_ref[b, pl.ds(first, m), pl.ds(offset + col, bc)]
+            gate = ring_ref[b, pl.ds(first, m), pl.ds(width + offset + col, bc)].astype(jnp.float32)
+            return kv, gate + bias_ref[:, pl.ds(offset + col, bc)]
+
         if overlap:
             w = first_ref[b]
             cur = (w % 2) * m  # window w's half of the ring; window w-1 fills the other one
-            prev = m - cur
-            kv_cur = ring_ref[b, pl.ds(cur, m), pl.ds(dc + col, bc)]  # Cb of window w
-            g_cur = ring_ref[b, pl.ds(cur, m), pl.ds(width + dc + col, bc)].astype(jnp.float32)
-            g_cur = g_cur + bias_ref[:, pl.ds(dc + col, bc)]
-            kv_prev = ring_ref[b, pl.ds(prev, m), pl.ds(col, bc)]  # Ca of window w-1
-            g_prev = ring_ref[b, pl.ds(prev, m), pl.ds(width + col, bc)].astype(jnp.float32)
-            g_prev = g_prev + bias_ref[:, pl.ds(col, bc)]
-            kv_prev = jnp.where(w > 0, kv_prev, jnp.zeros_like(kv_prev))  # window -1 is absent
-            g_prev = jnp.where(w > 0, g_prev, -jnp.inf)
-            top = jnp.maximum(jnp.max(g_prev, axis=0), jnp.max(g_cur, axis=0))  # [bc]
-            e_prev, e_cur = jnp.exp(g_prev - top[None]), jnp.exp(g_cur - top[None])
-            total = jnp.sum(e_prev, axis=0) + jnp.sum(e_cur, axis=0)
-            p_prev = (e_prev / total[None]).astype(kv_prev.dtype)
-            p_cur = (e_cur / total[None]).astype(kv_cur.dtype)
-            pooled = (jnp.sum((kv_prev * p_prev).astype(jnp.float32), axis=0)
-                      + jnp.sum((kv_cur * p_cur).astype(jnp.float32), axis=0))
+            kv_prev, gate_prev = slots(m - cur, 0)  # Ca of window w-1, absent for window -1
+            parts = [(jnp.where(w > 0, kv_prev, jnp.zeros_like(kv_prev)), jnp.where(w > 0, gate_prev, -jnp.inf)),
+                     slots(cur, dc)]  # Cb of window w
         else:
-            kv = ring_ref[b, :, pl.ds(col, bc)]  # [m, bc]: the ring is the window
-            g = ring_ref[b, :, pl.ds(width + col, bc)].astype(jnp.float32) + bias_ref[:, pl.ds(col, bc)]
-            e = jnp.exp(g - jnp.max(g, axis=0)[None])
-            p = (e / jnp.sum(e, axis=0)[None]).astype(kv.dtype)
-            pooled = jnp.sum((kv * p).astype(jnp.float32), axis=0)
-        out_ref[...] = pooled.astype(dtype)
+            parts = [slots(0, 0)]  # the ring is the window
+        out_ref[...] = _gated_sum(parts).astype(dtype)
+
+
+def _gated_sum(parts) -> Array:
+    """sum_j softmax_j(gate_j) * kv_j over the slots of all parts ([(kv [rows, bc], float32
+    gate [rows, bc]), ...]) -> float32 [bc]: the probabilities rounded to the kv dtype, the
+    products in it, summed in float32 (`compressor._pool`'s numerics)."""
+    top = functools.reduce(jnp.maximum, [jnp.max(gate, axis=0) for _, gate in parts])  # [bc]
+    exps = [jnp.exp(gate - top[None]) for _, gate in parts]
+    total = functools.reduce(jnp.add, [jnp.sum(e, axis=0) for e in exps])
+    sums = [jnp.sum((kv * (e / total[None]).astype(kv.dtype)).astype(jnp.float32), axis=0)
+            for (kv, _), e in zip(parts, exps)]
+    return functools.reduce(jnp.add, sums)
 
 
 def pool_one_token(ring: Array, first_entry: Array, completes: Array, position_bias: Array, *, ratio: int,

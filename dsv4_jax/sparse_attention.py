@@ -174,8 +174,13 @@ def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, pre
             ))
         elif ents is not None:  # HCA: every visible entry, shared by the row's queries
             seen = jnp.arange(ents.shape[1], dtype=jnp.int32)[None, None, :] < sel[..., None]
+            # The barrier hides from XLA that this dot and the window's share the queries: XLA's
+            # dot-merger would otherwise make them one dot over [window | entries], a new
+            # array written every step (H200, HCA B = 32, 16k: an 11 us concatenation a layer
+            # against a 5 us merged dot). Values unchanged.
+            qe = jax.lax.optimization_barrier(qb)
             parts.append((
-                _logits(einsum("bshd,btd->bsht", qb, ents, out_dtype=dtype, precision=precision), scale),
+                _logits(einsum("bshd,btd->bsht", qe, ents, out_dtype=dtype, precision=precision), scale),
                 seen[:, :, None, :], "bsht,btd->bshd", ents,
             ))
 
