@@ -137,11 +137,22 @@ def attach_sources(summary: dict, compiled_text: str) -> dict:
     return summary
 
 
+def _options():
+    """The profiler's options: no Python tracer (its frames would slow the host and crowd the
+    host events), the host's own tracer (XLA's execute and thunk events, CUDA API calls) on."""
+    try:
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        return options
+    except (AttributeError, TypeError):  # a jax without ProfileOptions
+        return None
+
+
 def profile(run_once, steps: int, log_dir: str, module_filter: str | None = None) -> dict:
     """Trace `steps` calls of `run_once` and summarize them (plus the wall time per step)."""
     os.makedirs(log_dir, exist_ok=True)
     run_once()  # warm: compiled and allocated before the trace starts
-    jax.profiler.start_trace(log_dir)
+    jax.profiler.start_trace(log_dir, profiler_options=_options())
     t0 = time.perf_counter()
     for _ in range(steps):
         run_once()

@@ -27,6 +27,9 @@ Scenarios (records ``scenario``):
                    (repeat time / steps / N). ``step_ms_blocking`` times single steps with a
                    block after each (includes the dispatch latency); ``host_dispatch_ms`` is the
                    host's time per step to dispatch a repeat (near ``step_ms``: host-bound).
+                   ``--same-buffers``: the timed steps take no positions argument (each row's
+                   next position is its cache length) and take the last step's output as their
+                   hidden states, donated: the same argument and output buffers every step.
 ``stack_prefill``  one prompt of L tokens (``--prefills``: 4k, 16k) into empty caches, B = 1;
                    median over repeats of whole calls.
 
@@ -114,6 +117,19 @@ def stack_step(weights, caches, hidden_states, positions, specs):
 STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("caches",))
 
 
+def stack_step_same_buffers(weights, caches, hidden_states, specs):
+    """`stack_step` of one new token a row at each row's next position, read from the first
+    layer's cache length, with the hidden states donated (`--same-buffers`): fed its own
+    output back, a decode loop hands this step the same argument buffers every step and gets
+    its output in the same buffer. XLA re-records a CUDA graph's commands whenever a buffer
+    they use moved (`command_buffer::update`); this step shows what that costs the host."""
+    return stack_step(weights, caches, hidden_states, caches[0].length[:, None], specs)
+
+
+STACK_STEP_SAME_BUFFERS = jax.jit(stack_step_same_buffers, static_argnames=("specs",),
+                                  donate_argnames=("caches", "hidden_states"))
+
+
 class Stack:
     """The layers of one stack (random weights, as `bench/run.py`'s), their specs and weights."""
 
@@ -173,10 +189,13 @@ def _positions(batch: int, start: int, n: int):
 
 
 # ---------------------------------------------------------------------------- timings
-def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int, seed: int) -> dict:
-    """Decode timings of the stack at (batch, context); see the module docstring."""
+def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int, seed: int,
+                same_buffers: bool = False) -> dict:
+    """Decode timings of the stack at (batch, context); see the module docstring. With
+    `same_buffers` the timed steps are `stack_step_same_buffers`, each fed the last one's output."""
     warm = 2
-    total = warm + repeats * steps + steps  # warm-up, pipelined repeats, one blocking repeat
+    # warm-up, (same buffers: one more compile,) pipelined repeats, one blocking repeat
+    total = warm + int(same_buffers) + repeats * steps + steps
     max_seq_len = _round_up(context + total)
     caches = stack.synthetic_caches(batch, max_seq_len, context, seed)
     x = _hidden(stack.cfg, batch, 1, stack.dtype, seed)
@@ -192,11 +211,24 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
     compile_s = clock.stop()
     positions = [_positions(batch, context + i, 1) for i in range(total)]  # uploaded before timing
     jax.block_until_ready(positions)
+    fed = [x + 0]  # same_buffers: the hidden states the next step takes (and donates)
+
+    def step(caches, at):
+        if not same_buffers:
+            return STACK_STEP(stack.weights, caches, x, positions[at - context], specs=stack.specs)
+        h, caches = STACK_STEP_SAME_BUFFERS(stack.weights, caches, fed.pop(), specs=stack.specs)
+        fed.append(h)
+        return h, caches
+
+    if same_buffers:  # compiled before the clock starts, like the step above
+        h, caches = step(caches, pos)
+        pos += 1
+        jax.block_until_ready((h, caches))
     per_step, dispatched = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(steps):
-            h, caches = STACK_STEP(stack.weights, caches, x, positions[pos - context], specs=stack.specs)
+            h, caches = step(caches, pos)
             pos += 1
         dispatched.append((time.perf_counter() - t0) / steps)
         jax.block_until_ready((h, caches))
@@ -204,7 +236,7 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
     blocking = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        h, caches = STACK_STEP(stack.weights, caches, x, positions[pos - context], specs=stack.specs)
+        h, caches = step(caches, pos)
         jax.block_until_ready((h, caches))
         blocking.append(time.perf_counter() - t0)
         pos += 1
@@ -371,11 +403,13 @@ def environment() -> dict:
 
 def apply_kernel_switches(args) -> None:
     """The A/B switches of the command line, set on the package's modules (read at trace time):
-    --dot-min-rows, --(no-)decode-kernel, --(no-)prefill-kernel, --(no-)compress-kernel,
+    --dot-min-rows, --dot-pad, --(no-)decode-kernel, --(no-)prefill-kernel, --(no-)compress-kernel,
     --decode-blocks (a forced decode kernel's blocks) and --prefill-blocks (the blocks of every
     prefill the kernel runs: the CUDA default table's prefill entries and a forced kernel's)."""
     if getattr(args, "dot_min_rows", None) is not None:
         backend.DOT_MIN_ROWS = args.dot_min_rows
+    if getattr(args, "dot_pad", None):
+        backend.GPU_DOT_PAD = args.dot_pad
     if getattr(args, "no_decode_kernel", False):
         sparse_attention_mod.DECODE_KERNEL = False
     elif getattr(args, "decode_kernel", False):
@@ -422,6 +456,7 @@ def run(args, write=None) -> tuple[list, dict]:
     env = environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
             "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS,
+            "dot_pad": getattr(backend, "GPU_DOT_PAD", "zeros"), "same_buffers": args.same_buffers,
             "decode_kernel": switch_names.get(sparse_attention_mod.DECODE_KERNEL,
                                               str(sparse_attention_mod.DECODE_KERNEL)),
             "prefill_kernel": switch_names.get(sparse_attention_mod.PREFILL_KERNEL,
@@ -455,7 +490,8 @@ def run(args, write=None) -> tuple[list, dict]:
                        "error": None}
                 try:
                     if scenario == "stack_decode":
-                        rec.update(time_decode(stack, batch, length, args.steps, args.repeats, args.seed))
+                        rec.update(time_decode(stack, batch, length, args.steps, args.repeats, args.seed,
+                                               same_buffers=args.same_buffers))
                     else:
                         rec.update(time_prefill(stack, batch, length, max(1, args.repeats), args.seed))
                     rec["ratio_to_floor"] = rec["per_layer_ms"] / rec["floor_ms"] if gpu else None
@@ -577,6 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dot-min-rows", type=int, default=None,
                     help="set dsv4_jax.backend.DOT_MIN_ROWS (single-token projections on that many rows; "
                          "read at trace time: one value per process)")
+    ap.add_argument("--dot-pad", default=None, choices=("zeros", "broadcast"),
+                    help="set dsv4_jax.backend.GPU_DOT_PAD (how a single-token projection's row becomes "
+                         "several on CUDA) for A/B runs")
+    ap.add_argument("--same-buffers", action="store_true",
+                    help="timed decode steps read their positions from the caches and take the last step's "
+                         "output, donated: the same argument and output buffers every step")
     ap.add_argument("--unfused-projections", action="store_true",
                     help="hand the step weights() (no input_proj: XLA merges the input GEMMs itself) for A/B runs")
     ap.add_argument("--no-decode-kernel", action="store_true",

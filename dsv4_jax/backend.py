@@ -98,11 +98,14 @@ def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) ->
         return plain(a, b)
 
     def on_rows(rows):
-        # The one real row first, zeros after it; rows are independent, so row 0 is the same
-        # product (rounded by whichever GEMM the backend picks).
+        # The one real row first, then zeros or copies of it (`GPU_DOT_PAD`); rows are
+        # independent, so row 0 is the same product (rounded by whichever GEMM the backend picks).
         def padded(a, b):
-            pad = jnp.zeros((rows - 1, *a.shape[1:]), a.dtype)
-            return plain(jnp.concatenate([a, pad], axis=0), b)[:1]
+            if GPU_DOT_PAD == "broadcast":
+                many = jnp.broadcast_to(a, (rows, *a.shape[1:]))
+            else:
+                many = jnp.concatenate([a, jnp.zeros((rows - 1, *a.shape[1:]), a.dtype)], axis=0)
+            return plain(many, b)[:1]
         return padded
 
     if DOT_MIN_ROWS is not None:
@@ -120,6 +123,11 @@ def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) ->
 # bench/stack.py --dot-min-rows sets it for A/B runs. Read at trace time.
 GPU_DOT_ROWS = 8
 DOT_MIN_ROWS: int | None = None
+# How the row becomes several: "zeros" (the row, then zero rows: on the H200 a pad kernel of its
+# own per projection, 1.4-2.5 us, ~4 a layer at B = 1) or "broadcast" (the row repeated, which
+# XLA may fuse into the GEMM's operand instead, or fold back into the slow one-row product).
+# Not measured yet: `bench/stack.py --dot-pad broadcast` for the A/B. Read at trace time.
+GPU_DOT_PAD = "zeros"
 
 
 def _single_token_projection(subscripts: str, a: Array) -> bool:

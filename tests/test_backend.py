@@ -76,10 +76,10 @@ def test_bf16_operands_accumulate_in_float32_and_round_once(out_dtype, want):
 
 
 def test_single_token_projections_on_more_rows_give_the_same_values(monkeypatch):
-    """A B = S = 1 projection on zero-padded rows (on CUDA by default, where a one-row dot
-    becomes a slow reduction; forced here with `DOT_MIN_ROWS`) keeps the first row: the same
-    values, and the whole decode step of one row equals the plain one. On the CPU the default
-    (None) computes the plain one-row product."""
+    """A B = S = 1 projection on padded rows (zeros or copies of the row, `GPU_DOT_PAD`; on CUDA
+    by default, where a one-row dot becomes a slow reduction; forced here with `DOT_MIN_ROWS`)
+    keeps the first row: the same values, and the whole decode step of one row equals the
+    plain one. On the CPU the default (None) computes the plain one-row product."""
     import jax
     from helpers import random_layer
 
@@ -101,8 +101,9 @@ def test_single_token_projections_on_more_rows_give_the_same_values(monkeypatch)
     _, cache = attn(prompt, np.arange(12, dtype=np.int32)[None], cache)
     token = jnp.asarray(rng.standard_normal((1, 1, cfg.hidden_size)), jnp.float32)
     steps = []
-    for rows in (None, 1, 3):
+    for rows, pad in ((None, "zeros"), (1, "zeros"), (3, "zeros"), (3, "broadcast")):
         monkeypatch.setattr(backend, "DOT_MIN_ROWS", rows)
+        monkeypatch.setattr(backend, "GPU_DOT_PAD", pad)
         jax.clear_caches()  # the value is read when tracing, and jax shares traces between jits of a function
         step = jax.jit(attention_step, static_argnames="spec")
         args = (attn.weights(), cache.replace(length=jnp.asarray(cache.length), layer_idx=-1), token,

@@ -11,6 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,12 +70,35 @@ def test_stack_run_writes_records_and_a_profile_by_stage():
         assert r["floor_ms"] > 0
     decode = next(r for r in records if r["scenario"] == "stack_decode")
     assert decode["context_len"] == 256 and decode["step_ms_blocking"] > 0
+    # The dispatch loop is part of each timed repeat, so its median cannot exceed the step's.
+    assert 0 < decode["host_dispatch_ms"] <= decode["step_ms"]
     (prof,) = data["meta"]["profiles"]
     assert prof["busy_us_per_step"] > 0 and prof["rows"]
+    # The host's side of the traced steps: XLA's execute events, per step.
+    assert any("Execute" in e["event"] and e["per_step"] >= 1 for e in prof["host_events"])
     stages = {row["source"] for row in prof["by_source"]}
     # The stages are jax.named_scopes of attention_step: the profile can name them.
     assert {"sparse_attention", "compressor", "indexer_select"} <= stages
     assert "stack_decode" in stack.markdown(records, data["meta"])
+
+
+def test_the_step_on_the_same_buffers_is_the_same_step():
+    """`--same-buffers`: `stack_step_same_buffers` (each row's next position from its cache
+    length, the hidden states donated) gives the outputs and caches of `stack_step` given
+    those positions."""
+    cfg = stack.stack_config("tiny", 2)
+    st = stack.Stack(cfg, "mixed", 2, "float32", 0, "none")
+    runs = []
+    for same in (False, True):
+        caches = st.synthetic_caches(2, 128, 40, 0)
+        x = stack._hidden(cfg, 2, 1, jnp.float32, 0)
+        if same:
+            runs.append(stack.STACK_STEP_SAME_BUFFERS(st.weights, caches, x, specs=st.specs))
+        else:
+            runs.append(stack.STACK_STEP(st.weights, caches, x, stack._positions(2, 40, 1), specs=st.specs))
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(runs[1][1][0].length[0]) == 41
 
 
 def test_the_hlo_census_reads_copies_conditionals_and_thunks(tmp_path):
