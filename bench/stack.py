@@ -551,18 +551,18 @@ def markdown(records: list, meta: dict) -> str:
         length = "ctx" if scenario == "stack_decode" else "prompt"
         out += [f"### {scenario}", "",
                 f"| mode | stack | layer types | B | {length} | ms / layer | floor ms / layer | x floor | "
-                "blocking step ms | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "blocking step ms | host ms / step | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r.get("error"):
                 out.append(f"| {r['mode']} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
-                           f"{r['context_len'] or r['prompt_len']} | error: {r['error'][:80]} | | | | |")
+                           f"{r['context_len'] or r['prompt_len']} | error: {r['error'][:80]} | | | | | |")
                 continue
-            ratio = r.get("ratio_to_floor")
-            blocking = r.get("step_ms_blocking")
+            ratio, blocking, host = (r.get(k) for k in ("ratio_to_floor", "step_ms_blocking", "host_dispatch_ms"))
             out.append(f"| {r['mode']} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
                        f"{r['context_len'] or r['prompt_len']} | {r['per_layer_ms']:.3f} | {r['floor_ms']:.3f} | "
                        f"{'' if ratio is None else f'{ratio:.1f}'} | "
-                       f"{'' if blocking is None else f'{blocking:.3f}'} | {r['compile_s']:.1f} |")
+                       f"{'' if blocking is None else f'{blocking:.3f}'} | "
+                       f"{'' if host is None else f'{host:.3f}'} | {r['compile_s']:.1f} |")
         out.append("")
     for r in records:
         if r.get("scenario") == "call_overhead":
