@@ -27,9 +27,10 @@ Scenarios (records ``scenario``):
                    (repeat time / steps / N). ``step_ms_blocking`` times single steps with a
                    block after each (includes the dispatch latency); ``host_dispatch_ms`` is the
                    host's time per step to dispatch a repeat (near ``step_ms``: host-bound).
-                   ``--same-buffers``: the timed steps take no positions argument (each row's
-                   next position is its cache length) and take the last step's output as their
-                   hidden states, donated: the same argument and output buffers every step.
+                   ``--same-buffers positions``: the timed steps take no positions argument
+                   (each row's next position is its cache length); ``--same-buffers all``: also
+                   the last step's output as their hidden states, donated: the same argument and
+                   output buffers every step.
 ``stack_prefill``  one prompt of L tokens (``--prefills``: 4k, 16k) into empty caches, B = 1;
                    median over repeats of whole calls.
 
@@ -117,17 +118,21 @@ def stack_step(weights, caches, hidden_states, positions, specs):
 STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("caches",))
 
 
-def stack_step_same_buffers(weights, caches, hidden_states, specs):
+def stack_step_own_positions(weights, caches, hidden_states, specs):
     """`stack_step` of one new token a row at each row's next position, read from the first
-    layer's cache length, with the hidden states donated (`--same-buffers`): fed its own
-    output back, a decode loop hands this step the same argument buffers every step and gets
-    its output in the same buffer. XLA re-records a CUDA graph's commands whenever a buffer
-    they use moved (`command_buffer::update`); this step shows what that costs the host."""
+    layer's cache length (`--same-buffers`): no positions argument, so no new argument buffer
+    a step. XLA re-records a CUDA graph's commands whenever a buffer they use moved
+    (`command_buffer::update`); these steps show what that costs the host."""
     return stack_step(weights, caches, hidden_states, caches[0].length[:, None], specs)
 
 
-STACK_STEP_SAME_BUFFERS = jax.jit(stack_step_same_buffers, static_argnames=("specs",),
-                                  donate_argnames=("caches", "hidden_states"))
+# --same-buffers positions: the positions from the caches (the output is still a new buffer);
+# --same-buffers all: the hidden states donated too, so a loop feeding each step the last one's
+# output gets it back in the same buffer: every argument and output the same buffer every step.
+STACK_STEP_OWN_POSITIONS = {
+    "positions": jax.jit(stack_step_own_positions, static_argnames=("specs",), donate_argnames=("caches",)),
+    "all": jax.jit(stack_step_own_positions, static_argnames=("specs",), donate_argnames=("caches", "hidden_states")),
+}
 
 
 class Stack:
@@ -190,12 +195,13 @@ def _positions(batch: int, start: int, n: int):
 
 # ---------------------------------------------------------------------------- timings
 def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int, seed: int,
-                same_buffers: bool = False) -> dict:
+                same_buffers: str | None = None) -> dict:
     """Decode timings of the stack at (batch, context); see the module docstring. With
-    `same_buffers` the timed steps are `stack_step_same_buffers`, each fed the last one's output."""
+    `same_buffers` ("positions" or "all") the timed steps are `STACK_STEP_OWN_POSITIONS`'s,
+    ("all") each fed the last one's output."""
     warm = 2
     # warm-up, (same buffers: one more compile,) pipelined repeats, one blocking repeat
-    total = warm + int(same_buffers) + repeats * steps + steps
+    total = warm + int(bool(same_buffers)) + repeats * steps + steps
     max_seq_len = _round_up(context + total)
     caches = stack.synthetic_caches(batch, max_seq_len, context, seed)
     x = _hidden(stack.cfg, batch, 1, stack.dtype, seed)
@@ -211,12 +217,14 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
     compile_s = clock.stop()
     positions = [_positions(batch, context + i, 1) for i in range(total)]  # uploaded before timing
     jax.block_until_ready(positions)
-    fed = [x + 0]  # same_buffers: the hidden states the next step takes (and donates)
+    fed = [x + 0]  # same_buffers "all": the hidden states the next step takes (and donates)
 
     def step(caches, at):
         if not same_buffers:
             return STACK_STEP(stack.weights, caches, x, positions[at - context], specs=stack.specs)
-        h, caches = STACK_STEP_SAME_BUFFERS(stack.weights, caches, fed.pop(), specs=stack.specs)
+        if same_buffers == "positions":
+            return STACK_STEP_OWN_POSITIONS["positions"](stack.weights, caches, x, specs=stack.specs)
+        h, caches = STACK_STEP_OWN_POSITIONS["all"](stack.weights, caches, fed.pop(), specs=stack.specs)
         fed.append(h)
         return h, caches
 
@@ -616,9 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dot-pad", default=None, choices=("zeros", "broadcast"),
                     help="set dsv4_jax.backend.GPU_DOT_PAD (how a single-token projection's row becomes "
                          "several on CUDA) for A/B runs")
-    ap.add_argument("--same-buffers", action="store_true",
-                    help="timed decode steps read their positions from the caches and take the last step's "
-                         "output, donated: the same argument and output buffers every step")
+    ap.add_argument("--same-buffers", default=None, choices=("positions", "all"),
+                    help="timed decode steps read their positions from the caches (positions), and take the "
+                         "last step's output, donated (all: the same argument and output buffers every step)")
     ap.add_argument("--unfused-projections", action="store_true",
                     help="hand the step weights() (no input_proj: XLA merges the input GEMMs itself) for A/B runs")
     ap.add_argument("--no-decode-kernel", action="store_true",

@@ -82,18 +82,19 @@ def test_stack_run_writes_records_and_a_profile_by_stage():
     assert "stack_decode" in stack.markdown(records, data["meta"])
 
 
-def test_the_step_on_the_same_buffers_is_the_same_step():
-    """`--same-buffers`: `stack_step_same_buffers` (each row's next position from its cache
-    length, the hidden states donated) gives the outputs and caches of `stack_step` given
-    those positions."""
+@pytest.mark.parametrize("same", ["positions", "all"])
+def test_the_step_on_the_same_buffers_is_the_same_step(same):
+    """`--same-buffers`: `stack_step_own_positions` (each row's next position from its cache
+    length; "all": the hidden states donated too) gives the outputs and caches of `stack_step`
+    given those positions."""
     cfg = stack.stack_config("tiny", 2)
     st = stack.Stack(cfg, "mixed", 2, "float32", 0, "none")
     runs = []
-    for same in (False, True):
+    for own in (False, True):
         caches = st.synthetic_caches(2, 128, 40, 0)
         x = stack._hidden(cfg, 2, 1, jnp.float32, 0)
-        if same:
-            runs.append(stack.STACK_STEP_SAME_BUFFERS(st.weights, caches, x, specs=st.specs))
+        if own:
+            runs.append(stack.STACK_STEP_OWN_POSITIONS[same](st.weights, caches, x, specs=st.specs))
         else:
             runs.append(stack.STACK_STEP(st.weights, caches, x, stack._positions(2, 40, 1), specs=st.specs))
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
