@@ -3,7 +3,9 @@
 # (PREFILL_STACKS, default csa; 4k and 16k) as an A/B of the package default against
 # --prefill-blocks OLD_BLOCKS (ORDER, default "default old default"; OLD_BLOCKS default
 # 64,64,8,3,0 = the prefill default before skip_masked_blocks); the decode stacks at B = 1, 32
-# and 2k, 16k (CSA x4, HCA x4; the package default, one process); the module call against the
+# and 2k, 16k (CSA x4, HCA x4; the package default, one process; on the same buffers every step,
+# as a model's device-side decode loop runs them: SAME_BUFFERS=all, the default; SAME_BUFFERS=
+# for the usual steps, new positions and a new output each step); the module call against the
 # jitted step (flash CSA decode). PREFILL=0 / DECODE=0 / CALL=0 leave a part out. The decode
 # stacks' optimized programs go through bench/hlo_census.py (copies, conditionals, thunks by kind:
 # h200_hlo_census.json, the table in logs/hlo_census.md, the programs in logs/decode_hlo.tgz;
@@ -23,11 +25,12 @@ if [ "${PREFILL:-1}" = 1 ]; then
     --stacks "${PREFILL_STACKS:-csa}" --prefills "${PREFILLS:-4096,16384}"
 fi
 if [ "${DECODE:-1}" = 1 ]; then
+  SB=${SAME_BUFFERS-all}
   DUMP=""; [ "${HLO_DUMP:-1}" = 1 ] && DUMP="--xla_dump_to=/tmp/dsv4_hlo_dump --xla_dump_hlo_module_re=.*stack_step.*"
   rm -rf /tmp/dsv4_hlo_dump
   XLA_FLAGS="$PROF $DUMP" timeout ${STACK_TIMEOUT:-200} python3 bench/stack.py --size flash --scenarios stack_decode \
     --stacks "${DECODE_STACKS:-csa,hca}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-2048,16384}" \
-    ${DECODE_ARGS:-} --json "$OUT/h200_stack_decode_targets.json" >"$OUT/logs/decode.log" 2>&1
+    ${SB:+--same-buffers $SB} ${DECODE_ARGS:-} --json "$OUT/h200_stack_decode_targets.json" >"$OUT/logs/decode.log" 2>&1
   echo "decode stacks rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^stack_decode\|Error" "$OUT/logs/decode.log" | head -10
   if [ -n "$DUMP" ]; then
     python3 bench/hlo_census.py /tmp/dsv4_hlo_dump --json "$OUT/h200_hlo_census.json" >"$OUT/logs/hlo_census.md" 2>&1

@@ -119,11 +119,12 @@ STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("c
 
 
 def stack_step_own_positions(weights, caches, hidden_states, specs):
-    """`stack_step` of one new token a row at each row's next position, read from the first
-    layer's cache length (`--same-buffers`): no positions argument, so no new argument buffer
-    a step. XLA re-records a CUDA graph's commands whenever a buffer they use moved
-    (`command_buffer::update`); these steps show what that costs the host."""
-    return stack_step(weights, caches, hidden_states, caches[0].length[:, None], specs)
+    """`stack_step` of one new token a row at each row's next position, each layer's from its
+    cache length (``positions=None``, `dsv4_jax.cache.next_positions`; `--same-buffers`): no
+    positions argument, so no new argument buffer a step. XLA re-records a CUDA graph's
+    commands whenever a buffer they use moved (`command_buffer::update`); these steps show
+    what that costs the host."""
+    return stack_step(weights, caches, hidden_states, None, specs)
 
 
 # --same-buffers positions: the positions from the caches (the output is still a new buffer);

@@ -38,6 +38,7 @@ from .cache import (
     advance_length,
     init_attention_cache,
     insert_ring,
+    next_positions,
     overflows,
     real_tokens,
 )
@@ -330,7 +331,10 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     """One call of the layer as a pure function: (out [B, S, hidden], new cache, intermediates).
 
     Pure and jittable; `DeepseekV4Attention.__call__` validates the inputs, then runs this
-    under `jax.jit` with `spec` static.
+    under `jax.jit` with `spec` static. `positions`: int [B, S] (see the module call), or None
+    for every row's next S positions from its cache length (`cache.next_positions`): a decode
+    loop's step then takes no positions argument, so the compiled step gets no new buffer for
+    them each call.
 
     Nothing here can refuse a call, so two rules hold for values the eager checks would refuse:
     a row whose call would run past ``cache.max_seq_len`` leaves its cache unchanged (length
@@ -340,8 +344,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     """
     cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
     x = hidden_states.astype(dtype)
-    positions = positions.astype(jnp.int32)
     length = jnp.asarray(cache.length, jnp.int32)
+    positions = next_positions(length, x.shape[1]) if positions is None else positions.astype(jnp.int32)
     cache = cache.replace(length=length)
     if spec.checks:
         check_in_graph(length, positions, cache.max_seq_len)
@@ -957,7 +961,10 @@ class DeepseekV4Attention(nnx.Module):
         hidden_states: [B, S, hidden] float; positions: int [B, S]: row b's real tokens
         continue its length (``cache.length[b], cache.length[b] + 1, ...``), then -1 pads the
         row to S (ragged batches: rows may differ in length and in new tokens; padded slots
-        output zeros and write nothing; at least one real token per call).
+        output zeros and write nothing; at least one real token per call). ``positions=None``:
+        every slot real, each row continuing its cache (`cache.next_positions`); under a jit
+        they are then computed from the cache's length inside the program (a decode step
+        that takes no positions argument; see `attention_step`).
         With ``return_intermediates=True`` returns ``(out, cache, Intermediates)``; off by
         default, and then nothing extra is computed (it is a separate compiled step).
 
@@ -967,6 +974,8 @@ class DeepseekV4Attention(nnx.Module):
         ``checkify=True``, become `checkify` checks), and a call past `max_seq_len` leaves the
         cache unchanged and returns NaN (see `attention_step`).
         """
+        if positions is None:
+            positions = validation.positions_from_cache(self, hidden_states, cache)
         memo = _CALLS.get(self)
         if memo is not None:
             last = memo.last

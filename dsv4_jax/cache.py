@@ -96,6 +96,20 @@ def real_tokens(positions: Array) -> Array:
     return (positions >= 0).sum(axis=1).astype(np.int32)
 
 
+def next_positions(length: Array, seq: int) -> Array:
+    """[B, seq] int32: each row's next `seq` positions, ``length[b] .. length[b] + seq - 1``.
+
+    What a call without positions runs at (``attn(x, None, cache)``, ``attention_step(...,
+    positions=None, ...)``): every slot real, every row continuing its cache. Derived inside a
+    jitted step, the positions are no argument of the compiled program: a decode loop then
+    hands the program no new buffer for them each step (XLA re-records the commands of a CUDA
+    graph that read a buffer which moved; bench/RESULTS.md, "Same buffers every step").
+    NumPy in, NumPy out (the host mirror); JAX in, JAX out."""
+    if isinstance(length, np.ndarray):
+        return (length[:, None] + np.arange(seq, dtype=np.int32)).astype(np.int32)
+    return jnp.asarray(length, jnp.int32)[:, None] + jnp.arange(seq, dtype=jnp.int32)
+
+
 def advance_length(length: Array, new_tokens) -> Array:
     """`length` after a call of `new_tokens` real tokens per row (an int, or [B] for a ragged
     call, see `real_tokens`): the one rule, applied in the step (to the device length it

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .backend import is_tracer
-from .cache import AttentionCache, advance_length
+from .cache import AttentionCache, advance_length, next_positions
 from .config import CSA, HCA
 
 CHECK_FINITE_MODES = (True, "host", False)
@@ -101,6 +101,25 @@ def check_cache(attn, cache: Any) -> None:
                 f"cache.compressor.entries: expected shape [B, {want}, {cfg.head_dim}], got "
                 f"{list(cache.compressor.entries.shape)}"
             )
+
+
+def positions_from_cache(attn, hidden_states: Any, cache: Any):
+    """A call's positions where it passed None: every row's next S positions from the cache's
+    length (`cache.next_positions`); the host mirror's values in an eager call (then the call
+    checks them like any others), the traced length's under a jit. A malformed input raises
+    the error `check_call` would raise for it, naming the input rather than the positions."""
+    h_shape, _ = _shape_dtype("hidden_states", hidden_states)
+    if len(h_shape) != 3 or h_shape[1] < 1:
+        raise ValueError(
+            f"hidden_states: expected shape [B, S, {attn.config.hidden_size}] with S >= 1, got {list(h_shape)}"
+        )
+    check_cache(attn, cache)
+    length = cache.length
+    if not is_tracer(length):
+        length = np.asarray(length, np.int32)  # the host mirror (an eager call reads it anyway)
+    if getattr(length, "ndim", None) != 1:
+        raise ValueError(f"cache.length: expected shape [B], got {list(np.shape(length))}")
+    return next_positions(length, h_shape[1])
 
 
 def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_intermediates: bool,

@@ -501,3 +501,59 @@ def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkey
         donating(nan, _positions(PREFILL), cache)
     _decode(donating, cache, 1)
     assert len(ran) == count  # the donating step keeps its check before dispatch
+
+
+# ---------------------------------------------------------------------------- positions=None
+def test_positions_none_continues_each_row_of_the_cache():
+    """``attn(x, None, cache)``: every row's next S positions from its cache length, eagerly
+    (the host mirror's values, checked like any others) and under a user's jit (computed from
+    the traced length inside the program: a decode step that takes no positions argument)."""
+    attn = _layer()
+    x = _hidden(1, 2, PREFILL + 3)
+    cache = attn.init_cache(2, 32)
+    ref_out, ref_cache = attn(x[:, :PREFILL], _positions(0, PREFILL, 2), cache)
+    out, cache = attn(x[:, :PREFILL], None, attn.init_cache(2, 32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    np.testing.assert_array_equal(cache.length, ref_cache.length)
+
+    @jax.jit
+    def step(weights, cache, hidden):  # the positions come from the cache inside the program
+        return attention.attention_step(weights, cache, hidden, None, attn.step_spec())
+
+    raw = cache.replace(layer_idx=-1, length=jnp.asarray(cache.length))
+    ref_raw = ref_cache.replace(layer_idx=-1, length=jnp.asarray(ref_cache.length))
+    weights = attention._weights_of(attn, attention.AttentionWeights)
+    for t in range(PREFILL, PREFILL + 3):
+        want, ref_raw = _raw(attn, ref_raw, x[:, t:t + 1], _positions(t, 1, 2))
+        got, raw, _ = step(weights, raw, x[:, t:t + 1])
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    assert np.asarray(raw.length).tolist() == [PREFILL + 3] * 2
+
+    @nnx.jit
+    def module_step(layer, hidden, cache):
+        return layer(hidden, None, cache)
+
+    out, traced = module_step(attn, x[:, PREFILL:PREFILL + 1], cache)
+    want, _ = attn(x[:, PREFILL:PREFILL + 1], _positions(PREFILL, 1, 2), cache)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.asarray(traced.length).tolist() == [PREFILL + 1] * 2
+
+
+@pytest.mark.parametrize("case", ["hidden_rank", "cache_type", "room"])
+def test_positions_none_refuses_bad_inputs_by_name(case):
+    """Without positions, a malformed input is still named: the hidden states, the cache, or
+    the room left (the derived positions run past the cache), and the cache stays usable."""
+    attn = _layer()
+    cache = attn.init_cache(1, 12)
+    if case == "hidden_rank":
+        kind, message = _error(lambda: attn(_hidden(0)[0], None, cache))
+        assert kind is ValueError and message.startswith("hidden_states: expected shape [B, S, ")
+    elif case == "cache_type":
+        kind, message = _error(lambda: attn(_hidden(0), None, {"length": np.zeros(1)}))
+        assert kind is TypeError and message.startswith("cache: expected an AttentionCache")
+    else:
+        _, cache = attn(_hidden(0, 1, 10), None, cache)
+        kind, message = _error(lambda: attn(_hidden(1, 1, 3), None, cache))
+        assert kind is ValueError and message.startswith("hidden_states:"), message
+        out, cache = attn(_hidden(1, 1, 2), None, cache)  # the refused call left the cache usable
+        assert cache.length.tolist() == [12] and np.isfinite(np.asarray(out)).all()
