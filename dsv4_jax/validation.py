@@ -103,16 +103,23 @@ def check_cache(attn, cache: Any) -> None:
             )
 
 
+def check_hidden_states(attn, hidden_states: Any) -> tuple:
+    """An array of a floating dtype, shaped [B, S, hidden] with S >= 1; returns (shape, dtype)."""
+    h_shape, h_dtype = _shape_dtype("hidden_states", hidden_states)
+    if not jnp.issubdtype(h_dtype, jnp.floating):
+        raise TypeError(f"hidden_states: expected a floating dtype, got {h_dtype}")
+    hidden = attn.config.hidden_size
+    if len(h_shape) != 3 or h_shape[-1] != hidden or h_shape[1] < 1:
+        raise ValueError(f"hidden_states: expected shape [B, S, {hidden}] with S >= 1, got {list(h_shape)}")
+    return h_shape, h_dtype
+
+
 def positions_from_cache(attn, hidden_states: Any, cache: Any):
     """A call's positions where it passed None: every row's next S positions from the cache's
     length (`cache.next_positions`); the host mirror's values in an eager call (then the call
     checks them like any others), the traced length's under a jit. A malformed input raises
     the error `check_call` would raise for it, naming the input rather than the positions."""
-    h_shape, _ = _shape_dtype("hidden_states", hidden_states)
-    if len(h_shape) != 3 or h_shape[1] < 1:
-        raise ValueError(
-            f"hidden_states: expected shape [B, S, {attn.config.hidden_size}] with S >= 1, got {list(h_shape)}"
-        )
+    h_shape, _ = check_hidden_states(attn, hidden_states)
     check_cache(attn, cache)
     length = cache.length
     if not is_tracer(length):
@@ -132,14 +139,7 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
     The length is the host value the checks ran against (int32 NumPy [B]); the caller's host
     mirror of the new length is `cache.advance_length` of it by the real tokens per row (int32
     [B], `cache.real_tokens(positions)` as the checks found it; see `dsv4_jax.cache`)."""
-    cfg = attn.config
-    h_shape, h_dtype = _shape_dtype("hidden_states", hidden_states)
-    if not jnp.issubdtype(h_dtype, jnp.floating):
-        raise TypeError(f"hidden_states: expected a floating dtype, got {h_dtype}")
-    if len(h_shape) != 3 or h_shape[-1] != cfg.hidden_size or h_shape[1] < 1:
-        raise ValueError(
-            f"hidden_states: expected shape [B, S, {cfg.hidden_size}] with S >= 1, got {list(h_shape)}"
-        )
+    h_shape, h_dtype = check_hidden_states(attn, hidden_states)
     batch, seq = h_shape[:2]
     p_shape, p_dtype = _shape_dtype("positions", positions)
     if not jnp.issubdtype(p_dtype, jnp.integer):
