@@ -1,13 +1,18 @@
-"""`python -m dsv4_jax.demo`: one layer of each type, prefill + decode, every break mode.
+"""`python -m dsv4_jax.demo`: one layer of each type, prefill + decode, every break mode;
+then the three layers as a model's decode loop would run them.
 
 Prints, per layer type and break mode: compile and run times, the cache it filled, the
 indexer's picks for the last query, and how far the modes and a one-shot prefill of the same
-tokens agree (they should: same picks, outputs equal to float32 rounding).
+tokens agree (they should: same picks, outputs equal to float32 rounding). Then the layers
+stacked (``h = h + attn(h)``): a prefill through the module calls, and decode steps of all
+layers in one `jax.jit` that takes no positions (each layer's from its cache) and donates its
+caches and hidden states, against the same steps through the module calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -16,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from . import native
-from .attention import DeepseekV4Attention
+from .attention import DeepseekV4Attention, attention_step
 from .breaks import BREAK_MODES, plan_break
 from .config import CSA, DeepseekV4Config
 
@@ -78,6 +83,62 @@ def run_layer(cfg: DeepseekV4Config, layer_idx: int, x: np.ndarray, prompt: int,
     print(f"  prefill {prompt} + {steps} decode steps vs one-shot prefill of all {total}: rel err {err:.1e}")
 
 
+@functools.partial(jax.jit, static_argnames=("specs",), donate_argnames=("caches", "hidden_states"))
+def stack_decode_step(weights, caches, hidden_states, specs):
+    """One decode step of a stack of layers, ``h = h + attention(layer_i, h)``, as one program.
+
+    No positions argument (``positions=None``: each row's next position from each layer's cache
+    length) and the caches and hidden states donated: fed its own output, the step gets the same
+    buffers every call, so on a GPU XLA replays its CUDA graph without re-recording any command
+    (bench/RESULTS.md, "Same buffers every step"). hidden_states [B, 1, hidden] -> (the same
+    shape, the new caches)."""
+    h = hidden_states
+    new_caches = []
+    for w, cache, spec in zip(weights, caches, specs):
+        out, cache, _ = attention_step(w, cache, h, None, spec)
+        h = h + out.astype(h.dtype)
+        new_caches.append(cache)
+    return h, new_caches
+
+
+def run_stack(cfg: DeepseekV4Config, x: np.ndarray, prompt: int, steps: int) -> None:
+    """The config's layers stacked: prefill through the module calls, then `steps` decode steps
+    in one jitted program (`stack_decode_step`) against the same steps through the module calls."""
+    batch, total = x.shape[0], prompt + steps
+    print(f"\n== the {cfg.num_layers} layers stacked, decode steps in one jax.jit ==")
+    layers = [DeepseekV4Attention(cfg, i, rngs=nnx.Rngs(i)) for i in range(cfg.num_layers)]
+    h = jnp.asarray(x[:, :prompt])
+    caches = [attn.init_cache(batch_size=batch, max_seq_len=total) for attn in layers]
+    pos = np.broadcast_to(np.arange(prompt, dtype=np.int32), (batch, prompt))
+    for i, attn in enumerate(layers):
+        out, caches[i] = attn(h, pos, caches[i])
+        h = h + out
+    token = h[:, -1:]  # what decode feeds back here: the last hidden state (a stand-in for a new token)
+
+    eager, eager_caches, h_eager = [], list(caches), token
+    for t in range(prompt, total):
+        for i, attn in enumerate(layers):
+            out, eager_caches[i] = attn(h_eager, np.full((batch, 1), t, np.int32), eager_caches[i])
+            h_eager = h_eager + out
+        eager.append(np.asarray(h_eager))
+
+    weights = [attn.step_weights() for attn in layers]
+    specs = tuple(attn.step_spec() for attn in layers)
+    # The pure step takes device lengths and no layer index (its program is the same for any).
+    jitted_caches = [c.replace(layer_idx=-1, length=jnp.asarray(c.length)) for c in caches]
+    h_jit, times, jitted = token + 0, [], []  # a copy: the step donates what it is fed
+    for _ in range(steps):
+        (h_jit, jitted_caches), dt = _timed(stack_decode_step, weights, jitted_caches, h_jit, specs=specs)
+        jitted.append(np.asarray(h_jit))
+        times.append(dt)
+    jitted, eager = np.concatenate(jitted, 1), np.concatenate(eager, 1)
+    err = np.linalg.norm(jitted - eager) / np.linalg.norm(eager)
+    later = f", median {1e3 * float(np.median(times[1:])):.2f} ms/step after" if steps > 1 else ""
+    print(f"  {steps} decode steps: first {1e3 * times[0]:.1f} ms (compiles){later}; "
+          f"lengths {np.asarray(jitted_caches[0].length).tolist()}")
+    print(f"  one jitted step vs the module calls: rel err {err:.1e}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=40, help="prompt tokens (prefill)")
@@ -100,6 +161,7 @@ def main(argv=None) -> None:
     x = np.random.default_rng(0).normal(size=(args.batch, args.prompt + args.steps, cfg.hidden_size))
     for layer_idx in range(cfg.num_layers):
         run_layer(cfg, layer_idx, x.astype(np.float32), args.prompt, args.steps, modes)
+    run_stack(cfg, x.astype(np.float32), args.prompt, args.steps)
 
 
 if __name__ == "__main__":

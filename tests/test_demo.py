@@ -18,8 +18,8 @@ def _sections(out: str) -> dict[str, list[str]]:
     sections, current = {}, None
     for line in out.splitlines():
         header = re.fullmatch(r"== layer \d+: (\w+) ==", line)
-        if header:
-            current = sections.setdefault(header.group(1), [])
+        if header or (line.startswith("== the ") and "layers stacked" in line):
+            current = sections.setdefault(header.group(1) if header else "stack", [])
         elif current is not None:
             current.append(line)
     return sections
@@ -31,7 +31,11 @@ def test_demo_runs_and_reports_agreement():
     proc = JOBS.by_name["demo"].result()
     assert proc.returncode == 0, proc.stderr[-6000:]
     sections = _sections(proc.stdout)
-    assert list(sections) == [SLIDING, CSA, HCA]
+    assert list(sections) == [SLIDING, CSA, HCA, "stack"]
+    stack = sections.pop("stack")  # the layers as a model's decode loop runs them, in one jit
+    agree = [line for line in stack if "one jitted step vs the module calls" in line]
+    assert len(agree) == 1 and float(agree[0].rsplit("rel err ", 1)[1]) < 1e-5, stack
+    assert any("lengths [23, 23]" in line for line in stack), stack  # 21 + 2 steps, every row
     for layer_type, lines in sections.items():
         diffs = dict(re.findall(r"^  (\w+) vs none: max \|out diff\| (\S+?)(?:,|$)", "\n".join(lines), re.M))
         assert sorted(diffs) == ["narrow", "wide"], lines
