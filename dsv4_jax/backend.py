@@ -126,7 +126,8 @@ DOT_MIN_ROWS: int | None = None
 # How the row becomes several: "zeros" (the row, then zero rows: on the H200 a pad kernel of its
 # own per projection, 1.4-2.5 us, ~4 a layer at B = 1) or "broadcast" (the row repeated, which
 # XLA may fuse into the GEMM's operand instead, or fold back into the slow one-row product).
-# Not measured yet: `bench/stack.py --dot-pad broadcast` for the A/B. Read at trace time.
+# Measured 2026-12-02 (`bench/stack.py --dot-pad broadcast`, bench/RESULTS.md "Same buffers every
+# step"): no gain at B = 1, so zeros stay. Read at trace time.
 GPU_DOT_PAD = "zeros"
 
 
