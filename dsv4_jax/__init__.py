@@ -3,11 +3,12 @@
 # export registers the pytrees for jax.export serialization; sharding: meshes, partition specs.
 from . import export, sharding  # noqa: F401
 from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, attention_step
-from .breaks import BREAK_MODES, BREAK_PLACES, KERNELS, BreakPlan
+from .breaks import BREAK_MODES, BREAK_PLACES, BreakPlan
 from .cache import AttentionCache, CompressorCache, reset_rows
 from .checkpoint import load_attention_checkpoint
 from .config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from .indexer_loss import indexer_kl_loss
+from .kernel_plan import KERNELS, KernelPlan
 from .native import native_info
 from .weights import load_hf_attention_weights
 
@@ -25,6 +26,7 @@ __all__ = [
     "DeepseekV4Attention",
     "DeepseekV4Config",
     "Intermediates",
+    "KernelPlan",
     "YarnScaling",
     "attention_step",
     "indexer_kl_loss",

@@ -244,7 +244,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     frozen = overflows(length, count, cache.max_seq_len)
     compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
-                  frozen=frozen, count=count)
+                  frozen=frozen, count=count, kernel=spec.plan.kernels.compress)
 
     # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
     with jax.named_scope("wq_b_kv_insert"):
@@ -371,6 +371,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
             stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
             entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
             block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
+            kernels=spec.plan.kernels,
         )
 
     # 6. Inverse RoPE at the query position, grouped low-rank output projection.
@@ -871,7 +872,8 @@ class DeepseekV4Attention(nnx.Module):
             sharding.shard_layer(self, mesh, sharding_rules)
 
     # ------------------------------------------------------------------ public API
-    def init_cache(self, batch_size: int, max_seq_len: int, dtype=None) -> AttentionCache:
+    def init_cache(self, batch_size: int, max_seq_len: int, dtype=None, *,
+                   allow_long_context: bool = False) -> AttentionCache:
         """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
         dtype: the cache dtype; defaults to the layer's compute dtype, which is `dtype`, else
@@ -879,10 +881,14 @@ class DeepseekV4Attention(nnx.Module):
         ``param_dtype=jnp.bfloat16`` and ``dtype=None`` the layer computes in bf16 for float32
         and bf16 inputs alike, and this default cache fits both). A cache of another dtype
         than the compute dtype is refused at the call with a `TypeError` naming ``cache``.
+        allow_long_context: `max_seq_len` past ``config.max_position_embeddings`` (positions the
+        model was not trained for) is a `ValueError` naming both unless this is True (as vLLM
+        refuses a ``max_model_len`` past the model's limit unless told otherwise).
         """
         dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         dtype = dtype or self.compute_dtype
-        cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype)
+        cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
+                                     allow_long_context=allow_long_context)
         # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)
 

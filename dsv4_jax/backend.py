@@ -97,21 +97,18 @@ def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) ->
     if not _single_token_projection(subscripts, a):
         return plain(a, b)
 
-    def on_rows(rows):
-        # The one real row first, then zeros or copies of it (`GPU_DOT_PAD`); rows are
-        # independent, so row 0 is the same product (rounded by whichever GEMM the backend picks).
-        def padded(a, b):
-            if GPU_DOT_PAD == "broadcast":
-                many = jnp.broadcast_to(a, (rows, *a.shape[1:]))
-            else:
-                many = jnp.concatenate([a, jnp.zeros((rows - 1, *a.shape[1:]), a.dtype)], axis=0)
-            return plain(many, b)[:1]
-        return padded
-
-    if DOT_MIN_ROWS is not None:
-        return (on_rows(DOT_MIN_ROWS) if DOT_MIN_ROWS > 1 else plain)(a, b)
     # Chosen when the program is lowered for its platform (also for an exported program).
-    return jax.lax.platform_dependent(a, b, cuda=on_rows(GPU_DOT_ROWS), default=plain)
+    return jax.lax.platform_dependent(
+        a, b, cuda=functools.partial(padded_rows_product, subscripts, precision=precision), default=plain)
+
+
+def padded_rows_product(subscripts: str, a: Array, b: Array, *, precision=None, rows: int | None = None) -> Array:
+    """`einsum` of a single token's projection (a [1, 1, ...]) computed on `rows` rows (default
+    `GPU_DOT_ROWS`): the real row first, then zero rows. Rows are independent, so row 0 is
+    the same product (rounded by whichever GEMM the backend picks)."""
+    rows = GPU_DOT_ROWS if rows is None else rows
+    many = jnp.concatenate([a, jnp.zeros((rows - 1, *a.shape[1:]), a.dtype)], axis=0)
+    return jnp.einsum(subscripts, many, b, precision=precision)[:1]
 
 
 # A dense projection of a single token (B = S = 1: a decode step of one row) is a
@@ -119,16 +116,8 @@ def einsum(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None) ->
 # the memory bandwidth; on 8 rows (the real one, then zeros) it is a GEMM. On the H200 that
 # took the input projections of a V4-Flash B = 1 decode step from 65 to 13 us per layer
 # (bench/RESULTS.md, issue 9). On the CPU the padding costs 2x (XLA:CPU's GEMV is fine), so it
-# is CUDA only. DOT_MIN_ROWS (None: that choice per platform) forces a row count everywhere:
-# bench/stack.py --dot-min-rows sets it for A/B runs. Read at trace time.
+# is CUDA only. (Repeating the row instead of zeros measured no gain, 2026-12-02.)
 GPU_DOT_ROWS = 8
-DOT_MIN_ROWS: int | None = None
-# How the row becomes several: "zeros" (the row, then zero rows: on the H200 a pad kernel of its
-# own per projection, 1.4-2.5 us, ~4 a layer at B = 1) or "broadcast" (the row repeated, which
-# XLA may fuse into the GEMM's operand instead, or fold back into the slow one-row product).
-# Measured 2026-12-02 (`bench/stack.py --dot-pad broadcast`, bench/RESULTS.md "Same buffers every
-# step"): no gain at B = 1, so zeros stay. Read at trace time.
-GPU_DOT_PAD = "zeros"
 
 
 def _single_token_projection(subscripts: str, a: Array) -> bool:
@@ -229,3 +218,40 @@ def map_query_blocks(fn: Callable[..., Any], per_query: Sequence[Array], shared:
 
     outs = jax.lax.map(lambda xs: fn(*xs, *shared), tuple(to_blocks(a) for a in per_query))
     return jax.tree.map(from_blocks, outs)
+
+
+def differentiated_as(reference: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: a kernel whose gradient is `reference`'s (a `jax.custom_vjp`).
+
+    ``differentiated_as(ref)(kernel)(*args)`` runs ``kernel(*args)``; its backward pass is the
+    VJP of ``ref(*args)`` (the XLA reference, recomputed from the saved inputs), taken with
+    respect to every floating-point array among `args` (integer and boolean arrays, e.g. key
+    indices, get no cotangent; None arguments pass through). So a Pallas kernel, which has no
+    differentiation rule of its own, gives exactly the reference's gradients. Reverse mode only
+    (`jax.grad`, `jax.vjp`); forward mode (`jax.jvp`) is refused by JAX for a custom VJP.
+    """
+
+    def decorate(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        @jax.custom_vjp
+        def call(*args):
+            return kernel(*args)
+
+        def forward(*args):
+            return kernel(*args), args
+
+        def backward(args, cotangent):
+            leaves, tree = jax.tree.flatten(args)
+            wrt = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+
+            def ref(*inexact):
+                it = iter(inexact)
+                return reference(*jax.tree.unflatten(tree, [next(it) if w else x for x, w in zip(leaves, wrt)]))
+
+            _, vjp = jax.vjp(ref, *(x for x, w in zip(leaves, wrt) if w))
+            grads = iter(vjp(cotangent))
+            return tuple(jax.tree.unflatten(tree, [next(grads) if w else None for w in wrt]))
+
+        call.defvjp(forward, backward)
+        return functools.wraps(kernel)(call)
+
+    return decorate

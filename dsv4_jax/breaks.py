@@ -68,10 +68,10 @@ import numpy as np
 from . import indexer, native, sharding
 from .backend import QUERY_BLOCK, map_query_blocks
 from .config import CSA
+from .kernel_plan import REFERENCE, KernelPlan, as_kernel_plan
 
 BREAK_MODES = ("none", "narrow", "wide")
 BREAK_PLACES = ("auto", "host", "device")
-KERNELS = ("auto", "native", "xla")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -88,8 +88,9 @@ def check_break_on(break_on: Any) -> str:
     return _check_choice("break_on", break_on, BREAK_PLACES)
 
 
-def check_kernels(kernels: Any) -> str:
-    return _check_choice("kernels", kernels, KERNELS)
+def check_kernels(kernels: Any) -> str | KernelPlan:
+    as_kernel_plan(kernels)  # raises a ValueError naming `kernels`
+    return kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +104,15 @@ class BreakPlan:
                    (narrow/device) or the graph-compatible target (none)
     layout:        a `sharding.MeshLayout` when the step runs on a mesh, else None: the breaks
                    (and the native selection) then run per batch shard (`sharding.run_per_shard`)
+    kernels:       the `kernel_plan.KernelPlan` resolved for the step's platform: which stages
+                   run a Pallas kernel (and how), which their XLA reference
     """
 
     mode: str
     place: str | None = None
     native_select: bool = False
     layout: Any = None
+    kernels: KernelPlan = REFERENCE
 
     def indexer_select(self) -> Callable[..., Any]:
         """The `select_topk` that `attention.run_stages` calls for this plan."""
@@ -126,22 +130,25 @@ class BreakPlan:
         return functools.partial(_select_per_shard, select, self.layout, once=self.place == "host")
 
 
-def plan_break(layer_type: str, break_mode: str, break_on: str = "auto", kernels: str = "auto",
+def plan_break(layer_type: str, break_mode: str, break_on: str = "auto", kernels: str | KernelPlan = "auto",
                platform: str | None = None, layout: Any = None) -> BreakPlan:
-    """Resolve a layer's `break_mode`, `break_on` and `kernels` for `platform` (default: jax's
-    default backend) into its `BreakPlan`; the one place these choices are made. `layout`: the
-    step's `sharding.MeshLayout` (its breaks then run per batch shard), or None."""
+    """Resolve a layer's `break_mode`, `break_on` and `kernels` (a name or a `KernelPlan`) for
+    `platform` (default: jax's default backend) into its `BreakPlan`; the one place these
+    choices are made. `layout`: the step's `sharding.MeshLayout` (its breaks then run per batch
+    shard), or None."""
     if platform is None and layout is not None and isinstance(layout.mesh, jax.sharding.Mesh):
         platform = layout.mesh.devices.flat[0].platform  # the mesh's devices, not jax's default
     plan = _plan_break(layer_type, break_mode, break_on, kernels, platform)
     return plan if layout is None else dataclasses.replace(plan, layout=layout)
 
 
-def _plan_break(layer_type: str, break_mode: str, break_on: str, kernels: str, platform: str | None) -> BreakPlan:
+def _plan_break(layer_type: str, break_mode: str, break_on: str, kernels: str | KernelPlan,
+                platform: str | None) -> BreakPlan:
     check_break_mode(break_mode)
     check_break_on(break_on)
-    check_kernels(kernels)
+    requested = as_kernel_plan(kernels)
     platform = native.platform_name(platform or jax.default_backend())
+    plan = requested.resolve(platform, native.available(platform))
     if break_mode == "wide":
         if break_on == "device":
             raise ValueError(
@@ -149,20 +156,21 @@ def _plan_break(layer_type: str, break_mode: str, break_on: str, kernels: str, p
                 "wq_b_kv_insert, the compressors and the indexer in NumPy on the host); use "
                 "break_on='host' or 'auto', or break_mode='narrow' for a device break"
             )
-        return BreakPlan(mode="wide", place="host")
-    if layer_type != CSA:  # no indexer: nothing to break, nothing to select
-        return BreakPlan(mode="none")
-    if kernels == "native" or (break_mode == "narrow" and break_on == "device"):
-        _require_native(platform, kernels, "break_on='device'" if kernels != "native" else "kernels='native'")
-    use_native = kernels != "xla" and native.available(platform)
+        return BreakPlan(mode="wide", place="host", kernels=dataclasses.replace(plan, select="xla"))
+    if layer_type != CSA:  # no indexer: nothing to break, nothing to select (one step for every `select`)
+        return BreakPlan(mode="none", kernels=dataclasses.replace(plan, select="xla"))
+    if requested.select == "native" or (break_mode == "narrow" and break_on == "device"):
+        what = "kernels.select='native'" if requested.select == "native" else "break_on='device'"
+        _require_native(platform, requested.select, what)
+    use_native = plan.select == "native"
     if break_mode == "none":
-        return BreakPlan(mode="none", native_select=use_native)
+        return BreakPlan(mode="none", native_select=use_native, kernels=plan)
     place = "host" if break_on == "host" or (break_on == "auto" and not use_native) else "device"
-    return BreakPlan(mode="narrow", place=place, native_select=place == "device")
+    return BreakPlan(mode="narrow", place=place, native_select=place == "device", kernels=plan)
 
 
-def _require_native(platform: str, kernels: str, what: str) -> None:
-    if kernels == "xla":
+def _require_native(platform: str, select: str, what: str) -> None:
+    if select == "xla":
         raise ValueError(f"{what}: needs the native indexer handlers, but kernels='xla' rules them out")
     reason = native.unavailable_reason(platform)
     if reason is not None:

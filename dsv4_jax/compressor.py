@@ -31,7 +31,7 @@ import numpy as np
 from flax import struct
 
 from . import compressor_kernel
-from .backend import Array, namespace, scatter_rows
+from .backend import Array, differentiated_as, namespace, scatter_rows
 from .cache import CompressorCache, insert_ring
 from .norms import rms_norm
 from .rope import apply_rope
@@ -62,6 +62,7 @@ def compress(
     eps: float,
     frozen: Array | None = None,
     count: Array | None = None,
+    kernel: str = "auto",
 ) -> CompressorCache:
     """Append a call's tokens to the compressor; emit the entries of windows they complete.
 
@@ -75,6 +76,7 @@ def compress(
                padded slots after them are skipped: they never enter the stream, so they pool
                into nothing, are not written into the ring and write no entry). None: all S
                are real.
+    kernel:    the step plan's ``compress`` choice for a decode step's pooling (`_pool_one_token`)
     returns    the state after the call: the entries of the windows this call completes are
                written at rows ``length // m ..``, the call's tokens into the ring.
 
@@ -108,7 +110,7 @@ def compress(
     projected = xp.concatenate([kv, gate.astype(kv.dtype)], axis=-1)  # [B, S, 2*n*Dc]: one ring write
     ring = insert_ring(state.buffer, projected, length, frozen, count)
     if seq == 1:
-        pooled = _pool_one_token(ring, first_entry, completed > 0, position_bias, m, overlap, dtype)
+        pooled = _pool_one_token(ring, first_entry, completed > 0, position_bias, m, overlap, dtype, kernel)
     else:
         windows, before = _streamed(state.buffer, projected, buffered, first_entry, n_new, m)
         pooled = _pool(windows[:, :n_pooled], before, first_entry, position_bias, overlap, dtype)
@@ -165,27 +167,28 @@ def _pool(windows: Array, before: Array, first_entry: Array, position_bias: Arra
 
 
 def _pool_one_token(ring: Array, first_entry: Array, completes: Array, position_bias: Array, m: int,
-                    overlap: bool, dtype) -> Array:
-    """A decode step's pooled entry [B, 1, Dc]: `_pool` of `_one_token`'s windows, or on CUDA
+                    overlap: bool, dtype, kernel: str) -> Array:
+    """A decode step's pooled entry [B, 1, Dc]: `_pool` of `_one_token`'s windows, or
     `compressor_kernel.pool_one_token` (one kernel, only for the rows in `completes` [B]; the
-    others' results are never written). `compressor_kernel.COMPRESS_KERNEL` and
-    `CUDA_MIN_BATCH` choose."""
-    def xla(ring, first_entry, completes, position_bias):
+    others' results are never written) where `kernel` (the plan's ``compress``) asks for it:
+    "auto" / "pallas" on CUDA (the kernel measured faster at every batch), "interpret" on any
+    backend, "xla" never. The kernel differentiates as `_pool` (`backend.differentiated_as`)."""
+    def reference(ring, first_entry, completes, position_bias):
         windows, before = _one_token(ring, first_entry, m)
         return _pool(windows, before, first_entry, position_bias, overlap, dtype)
 
-    switch = compressor_kernel.COMPRESS_KERNEL
-    if isinstance(ring, np.ndarray) or switch is False:
-        return xla(ring, first_entry, completes, position_bias)
-    kernel = functools.partial(compressor_kernel.pool_one_token, ratio=m, overlap=overlap)
-    if switch == "interpret":  # the kernel on any backend (tests, CPU)
-        return kernel(ring, first_entry, completes, position_bias, interpret=True)
-    # Only where a GPU is the default backend (Pallas lowers Triton kernels only there); chosen
-    # when the program is lowered for its platform, as `sparse_attention`'s kernel is.
-    chosen = switch is True or ring.shape[0] >= compressor_kernel.CUDA_MIN_BATCH
-    if not chosen or jax.default_backend() != "gpu" or not compressor_kernel.supported(ring, m, overlap):
-        return xla(ring, first_entry, completes, position_bias)
-    return jax.lax.platform_dependent(ring, first_entry, completes, position_bias, cuda=kernel, default=xla)
+    if isinstance(ring, np.ndarray) or kernel == "xla":
+        return reference(ring, first_entry, completes, position_bias)
+    pool = functools.partial(compressor_kernel.pool_one_token, ratio=m, overlap=overlap)
+    if kernel == "interpret":  # the kernel on any backend (tests, CPU)
+        pool = functools.partial(pool, interpret=True)
+    elif jax.default_backend() != "gpu" or not compressor_kernel.supported(ring, m, overlap):
+        # Pallas lowers Triton kernels only where a GPU is the default backend; chosen when the
+        # program is lowered for its platform, as `sparse_attention`'s kernel is.
+        return reference(ring, first_entry, completes, position_bias)
+    else:
+        pool = functools.partial(jax.lax.platform_dependent, cuda=pool, default=reference)
+    return differentiated_as(reference)(pool)(ring, first_entry, completes, position_bias)
 
 
 def _ring_window(ring: Array, w: Array, m: int) -> Array:

@@ -21,9 +21,10 @@ to the kv dtype, the products in the kv dtype, their sum accumulated in float32 
 once. Only the order of the float32 sums may differ, so float32 agrees within rounding and
 bf16 within one rounding of the entry (`tests/test_compressor_kernel.py`).
 
-`compressor.compress` chooses it on CUDA from `CUDA_MIN_BATCH` rows (`COMPRESS_KERNEL`), where
-it is a Triton kernel inside the step's CUDA graph; the XLA path stays the reference and runs
-everywhere else.
+`compressor.compress` chooses it as the step's `KernelPlan` says (``compress``): by default on
+CUDA at every batch, where it is a Triton kernel inside the step's CUDA graph (it measured faster
+at B = 1 and 32 on the H200: bench/RESULTS.md, "The compressors' decode pooling as a kernel");
+the XLA path stays the reference, runs everywhere else, and gives the kernel its gradient.
 """
 
 from __future__ import annotations
@@ -38,21 +39,6 @@ from .backend import Array
 
 BLOCK_CHANNELS = 128
 NUM_WARPS = 4
-
-# None: the kernel on CUDA for decode steps of at least CUDA_MIN_BATCH rows, the XLA path
-# elsewhere; True: the kernel on CUDA for every decode step; False: the XLA path everywhere
-# (A/B: bench/stack.py --no-compress-kernel); "interpret": the kernel in Pallas' interpret
-# mode on every backend (the CPU parity tests). Read at trace time.
-COMPRESS_KERNEL: bool | str | None = None
-
-# Where it measured faster (H200, V4-Flash bf16, 4-layer stacks at 16k, bench/RESULTS.md
-# "The compressors' decode pooling as a kernel" and "The [window | entries] concatenation
-# gone"): B = 32 CSA 0.206 against 0.213 ms a layer, HCA 0.139-0.143 against 0.149 (the
-# profile: 10-11 us a layer less in the compressors); B = 1, interleaved processes of one call
-# (2026-12-02), lower in all four pairs: HCA 0.103 / 0.180 against 0.112 / 0.193, CSA 0.188 /
-# 0.235 against 0.205 / 0.237. So every batch (the threshold stays for a shape where it loses).
-CUDA_MIN_BATCH = 1
-
 
 def _kernel(first_ref, done_ref, ring_ref, bias_ref, out_ref, *, m: int, dc: int, bc: int, overlap: bool):
     b, c = pl.program_id(0), pl.program_id(1)

@@ -51,7 +51,6 @@ import numpy as np
 
 from . import native
 from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, StepSpec, attention_step
-from .breaks import BreakPlan
 from .cache import AttentionCache, CompressorCache
 from .compressor import CompressorWeights
 from .indexer import IndexerWeights
@@ -113,7 +112,7 @@ def _exportable_spec(spec: StepSpec, break_mode: str, native_kernels: bool) -> S
             f"break_on='device' (the native custom call, where it is built)"
         )
     if plan.mode == "none" and plan.native_select and not native_kernels:
-        plan = BreakPlan(mode="none")
+        plan = dataclasses.replace(plan, native_select=False, kernels=dataclasses.replace(plan.kernels, select="xla"))
     # The exported step is a one-device program: no per-shard wrapping (`dsv4_jax.sharding`).
     return dataclasses.replace(spec, plan=dataclasses.replace(plan, layout=None))
 

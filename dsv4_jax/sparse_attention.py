@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from . import sparse_attention_kernel
-from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks
+from .backend import QUERY_BLOCK, Array, differentiated_as, einsum, map_query_blocks
+from .kernel_plan import AUTO, KernelPlan
 
 
 class AttentionOutput(NamedTuple):
@@ -95,6 +96,7 @@ def sparse_attention(
     precision=None,
     with_mass: bool = False,
     window_in_place: bool = False,
+    kernels: KernelPlan = AUTO,
 ) -> AttentionOutput:
     """Attention of each query over its window keys and its compressed entries, with sinks.
 
@@ -111,42 +113,62 @@ def sparse_attention(
                float32 [B, S, H]; None otherwise)
     window_in_place: `window_idx[b, s, j]` is j or -1 (`key_pool`'s decode pool, S = 1): the
                XLA path reads the pool as the window keys, masked, instead of gathering a copy
+    kernels:   the step's `KernelPlan` (its ``decode_attention`` / ``prefill_attention``):
+               without attention masses, `sparse_attention_kernel` may run instead of the XLA
+               path; it differentiates as the XLA path (`backend.differentiated_as`)
     """
     if window_in_place and (q.shape[1] != 1 or window_idx.shape[-1] != pool.shape[1]):
         raise ValueError(f"window_in_place: expected one query per row and a pool of the window's "
                          f"{window_idx.shape[-1]} slots, got q {q.shape} and pool {pool.shape}")
-    xla = functools.partial(_xla_path, entries=entries, picks=picks, visible=visible, block=block,
-                            precision=precision, with_mass=with_mass, window_in_place=window_in_place)
+    xla = functools.partial(_xla_path, block=block, precision=precision, with_mass=with_mass,
+                            window_in_place=window_in_place)
     if not with_mass:
-        o = _kernel_path(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible,
-                         xla=lambda *a: xla(*a).o)
-        if o is not None:
-            return AttentionOutput(o)
-    return xla(q, pool, window_idx, sinks)
+        def reference(q, pool, window_idx, sinks, entries, picks, visible):
+            return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible).o
+
+        kernel = _kernel(q, entries, picks, kernels, reference)
+        if kernel is not None:
+            return AttentionOutput(differentiated_as(reference)(kernel)(q, pool, window_idx, sinks, entries, picks,
+                                                                        visible))
+    return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
 
 
-def _kernel_path(q, pool, window_idx, sinks, *, entries, picks, visible, xla) -> Array | None:
-    """`sparse_attention_kernel` where `DECODE_KERNEL` / `PREFILL_KERNEL` ask for it on these
-    shapes, else None."""
-    kernels = sparse_attention_kernel
-    phase = kernels.phase_of(q)
-    switch = DECODE_KERNEL if phase == "decode" else PREFILL_KERNEL
-    if switch is False:
+def _kernel(q, entries, picks, kernels: KernelPlan, reference):
+    """``f(q, pool, window_idx, sinks, entries, picks, visible) -> o`` by `sparse_attention_kernel`
+    where the plan asks for it on these shapes, else None (the XLA path, `reference`, which has
+    the same signature).
+
+    "interpret": the kernel in interpret mode (any backend). "auto": on CUDA where it measured
+    faster (`sparse_attention_kernel.default_blocks`); "pallas": on CUDA for every shape the
+    Triton kernel takes; both only where a GPU is the default backend (Pallas lowers Triton
+    kernels only there; a program exported for CUDA from a CPU machine keeps the XLA path),
+    chosen when the program is lowered for its platform."""
+    kernels_mod = sparse_attention_kernel
+    phase = kernels_mod.phase_of(q)
+    choice = kernels.attention(phase)
+    if choice == "xla":
         return None
     kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-    blocks = kernels.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype)
-    if blocks is None and switch is not None:
-        blocks = kernels.forced_blocks(phase, q.dtype)  # forced: where the table has no blocks
-    kernel = functools.partial(kernels.sparse_attention_kernel, entries=entries, picks=picks, visible=visible,
-                               **(blocks or {}))
-    if switch == "interpret":  # the kernel on any backend (tests, CPU)
-        return kernel(q, pool, window_idx, sinks, interpret=True)
-    # Only where a GPU is the default backend: Pallas lowers a Triton kernel only there (a
-    # program exported for CUDA from a CPU machine keeps the XLA path on every platform).
-    if blocks is None or jax.default_backend() != "gpu" or not kernels.supported_on_gpu(q, **blocks):
+    table = kernels_mod.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype)
+    if choice == "auto" and table is None:  # not a shape the kernel measured faster on
         return None
-    # Chosen when the program is lowered for its platform: the kernel on CUDA.
-    return jax.lax.platform_dependent(q, pool, window_idx, sinks, cuda=kernel, default=xla)
+    # The plan's blocks (A/B runs) wherever the kernel runs, else the table's, else the forced defaults.
+    given = kernels.blocks(phase)
+    blocks = kernels_mod.as_blocks(given) if given is not None else table or kernels_mod.forced_blocks(phase, q.dtype)
+
+    def kernel(q, pool, window_idx, sinks, entries, picks, visible, interpret=False):
+        return kernels_mod.sparse_attention_kernel(q, pool, window_idx, sinks, entries=entries, picks=picks,
+                                                   visible=visible, interpret=interpret, **blocks)
+
+    if choice == "interpret":
+        return functools.partial(kernel, interpret=True)
+    if jax.default_backend() != "gpu" or not kernels_mod.supported_on_gpu(q, **blocks):
+        return None
+
+    def on_platform(*args):
+        return jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
+
+    return on_platform
 
 
 def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, precision,
@@ -206,18 +228,6 @@ def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, pre
         return AttentionOutput(out, (e_sink / denom)[..., 0], masses[0], compressed_mass)
 
     return map_query_blocks(block_fn, (q, window_idx, selection), (pool, sinks, entries), block)
-
-
-# Without attention masses, sparse attention on CUDA may run `sparse_attention_kernel`: each
-# query's keys gathered inside one Pallas kernel instead of gathered copies and ~9 fusions.
-# DECODE_KERNEL for one query per row, PREFILL_KERNEL for more. None: the kernel on CUDA where
-# it measured faster than this XLA path (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`), this
-# path elsewhere and on every other backend; True: the kernel on CUDA for every shape it takes;
-# False: this path everywhere (A/B runs: `bench/stack.py --no-decode-kernel` / `--decode-kernel`,
-# `--no-prefill-kernel` / `--prefill-kernel`); "interpret": the kernel in interpret mode on
-# every backend (the CPU parity tests). Read at trace time.
-DECODE_KERNEL: bool | str | None = None
-PREFILL_KERNEL: bool | str | None = None
 
 
 def _logits(dots: Array, scale: float) -> Array:

@@ -27,9 +27,10 @@ accumulates in float32. The difference: the XLA path normalises the probabilitie
 cast, the kernel after the sum (flash decoding), so bf16 results differ in the last bits;
 float32 agrees within 2e-5 (`tests/test_sparse_attention_kernel.py`).
 
-No attention masses (they keep the XLA path). `sparse_attention` chooses this kernel on CUDA
-where it measured faster (`default_blocks`; `DECODE_KERNEL` / `PREFILL_KERNEL` there force
-either path) and keeps the XLA path as the reference and for every other backend.
+No attention masses (they keep the XLA path). `sparse_attention` chooses this kernel as the
+step's `KernelPlan` says: by default on CUDA where it measured faster (`default_blocks`), the XLA
+path as the reference and for every other backend. It has no differentiation rule of its own:
+`sparse_attention` differentiates it as the XLA path (`backend.differentiated_as`).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ CUDA_DEFAULT_BLOCKS = {
 }
 PREFILL_MIN_ROWS = 256
 
-# The blocks a forced kernel (`DECODE_KERNEL` / `PREFILL_KERNEL` = True) uses where the table
-# has none; float32 prefill: blocks whose shared memory fits (96 KiB in bf16, ~192 in float32).
+# The blocks a forced kernel (a `KernelPlan` stage "pallas" or "interpret" without blocks of its
+# own) uses where the table has none; float32 prefill: blocks whose shared memory fits (96 KiB
+# in bf16, ~192 in float32).
 FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES), "prefill": (64, 64, 8, 3),
                  "prefill_float32": (32, 32, 8, 1)}
 
@@ -97,17 +99,17 @@ def default_blocks(kind: str, batch: int, phase: str = "decode", queries: int = 
     if phase == "prefill" and (batch * queries < PREFILL_MIN_ROWS or jnp.dtype(dtype).itemsize > 2):
         return None
     chosen = CUDA_DEFAULT_BLOCKS.get((kind, phase, batch), CUDA_DEFAULT_BLOCKS.get((kind, phase, None)))
-    return None if chosen is None else _as_blocks(chosen)
+    return None if chosen is None else as_blocks(chosen)
 
 
 def forced_blocks(phase: str, dtype=jnp.bfloat16) -> dict:
     """The blocks of a forced kernel for this phase and compute dtype."""
     wide = phase == "prefill" and jnp.dtype(dtype).itemsize > 2
-    return _as_blocks(FORCED_BLOCKS["prefill_float32" if wide else phase])
+    return as_blocks(FORCED_BLOCKS["prefill_float32" if wide else phase])
 
 
-def _as_blocks(chosen) -> dict:
-    # (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks])
+def as_blocks(chosen) -> dict:
+    """(block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]) -> the kernel's keywords."""
     names = ("block_keys", "block_heads", "num_warps", "num_stages", "skip_masked_blocks")
     blocks = dict(zip(names, chosen))
     if "skip_masked_blocks" in blocks:

@@ -76,10 +76,10 @@ def test_bf16_operands_accumulate_in_float32_and_round_once(out_dtype, want):
 
 
 def test_single_token_projections_on_more_rows_give_the_same_values(monkeypatch):
-    """A B = S = 1 projection on padded rows (zeros or copies of the row, `GPU_DOT_PAD`; on CUDA
-    by default, where a one-row dot becomes a slow reduction; forced here with `DOT_MIN_ROWS`)
-    keeps the first row: the same values, and the whole decode step of one row equals the
-    plain one. On the CPU the default (None) computes the plain one-row product."""
+    """A B = S = 1 projection on padded rows (the row, then zeros: `padded_rows_product`, what
+    CUDA runs, where a one-row dot becomes a slow reduction) keeps the first row: the same
+    values, and the whole decode step of one row equals the plain one. The CPU lowering
+    computes the plain one-row product; a program lowered for CUDA has the 8 rows."""
     import jax
     from helpers import random_layer
 
@@ -92,39 +92,40 @@ def test_single_token_projections_on_more_rows_give_the_same_values(monkeypatch)
     w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
     grouped = jnp.asarray(rng.standard_normal((1, 1, 4, 16)), jnp.float32)
     wg = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
-    plain = (einsum("bsh,hl->bsl", x, w, out_dtype=jnp.float32),
-             einsum("bsgi,gir->bsgr", grouped, wg, out_dtype=jnp.float32))
+    for sub, a, b in (("bsh,hl->bsl", x, w), ("bsgi,gir->bsgr", grouped, wg)):
+        plain = einsum(sub, a, b, out_dtype=jnp.float32)
+        for rows in (3, backend.GPU_DOT_ROWS):
+            padded = backend.padded_rows_product(sub, a, b, rows=rows)
+            assert padded.shape == plain.shape
+            np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), rtol=1e-6, atol=1e-6)
+
     cfg = dsv4_jax.DeepseekV4Config.tiny()
-    attn = random_layer(cfg, cfg.layer_types.index(dsv4_jax.CSA), break_mode="none")
+    attn = random_layer(cfg, cfg.layer_types.index(dsv4_jax.CSA), break_mode="none", kernels="xla")
     cache = attn.init_cache(1, 32)
     prompt = jnp.asarray(rng.standard_normal((1, 12, cfg.hidden_size)), jnp.float32)
     _, cache = attn(prompt, np.arange(12, dtype=np.int32)[None], cache)
     token = jnp.asarray(rng.standard_normal((1, 1, cfg.hidden_size)), jnp.float32)
-    steps = []
-    for rows, pad in ((None, "zeros"), (1, "zeros"), (3, "zeros"), (3, "broadcast")):
-        monkeypatch.setattr(backend, "DOT_MIN_ROWS", rows)
-        monkeypatch.setattr(backend, "GPU_DOT_PAD", pad)
-        jax.clear_caches()  # the value is read when tracing, and jax shares traces between jits of a function
-        step = jax.jit(attention_step, static_argnames="spec")
-        args = (attn.weights(), cache.replace(length=jnp.asarray(cache.length), layer_idx=-1), token,
-                jnp.asarray([[12]], jnp.int32))
-        out, new_cache, _ = step(*args, spec=attn.step_spec())
-        steps.append((out, new_cache))
-        # The projections of the hidden states ([1, 1, 64]) run on 3 rows only where asked.
-        text = step.lower(*args, spec=attn.step_spec()).as_text()
-        assert ("tensor<3x1x64x" in text) == (rows == 3)
-        if rows is None and jax.default_backend() == "cpu":
-            assert "tensor<8x1x64x" not in text  # CUDA's 8 rows are not lowered for the CPU
-        if rows is None and jax.default_backend() == "gpu":
-            assert "tensor<8x1x64x" in text  # ... and are on a GPU
-        if rows == 3:
-            padded = (einsum("bsh,hl->bsl", x, w, out_dtype=jnp.float32),
-                      einsum("bsgi,gir->bsgr", grouped, wg, out_dtype=jnp.float32))
-            for a, b in zip(plain, padded):
-                assert a.shape == b.shape
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    for out, new_cache in steps[1:]:
-        np.testing.assert_allclose(np.asarray(out), np.asarray(steps[0][0]), rtol=1e-6, atol=1e-6)
-        for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(steps[0][1])):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    jax.clear_caches()  # no trace made with 3 rows outlives the test
+    args = (attn.weights(), cache.replace(length=jnp.asarray(cache.length), layer_idx=-1), token,
+            jnp.asarray([[12]], jnp.int32))
+    step = jax.jit(attention_step, static_argnames="spec")
+    want = step(*args, spec=attn.step_spec())
+    assert "tensor<8x1x64x" not in step.lower(*args, spec=attn.step_spec()).as_text()  # CPU: one row
+    exported = jax.export.export(step, platforms=("cuda",))(*args, spec=attn.step_spec())
+    assert "tensor<8x1x64x" in exported.mlir_module()  # CUDA: the padded rows
+    # The whole step with every single-token projection padded (as CUDA runs it) equals the plain one.
+    real, padded_calls = jax.lax.platform_dependent, []
+
+    def cuda_rows(*a, cuda, default, **kw):  # only the projections' choice: the rest as lowered for the CPU
+        padded = getattr(cuda, "func", None) is backend.padded_rows_product
+        padded_calls.append(padded)
+        return cuda(*a) if padded else real(*a, cuda=cuda, default=default, **kw)
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", cuda_rows)
+    jax.clear_caches()  # the lowering choice is made when tracing
+    try:
+        got = jax.jit(attention_step, static_argnames="spec")(*args, spec=attn.step_spec())
+    finally:
+        jax.clear_caches()  # no trace made with the patched choice outlives the test
+    assert sum(padded_calls) >= 5  # the input, query, indexer and output projections
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

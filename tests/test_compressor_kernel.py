@@ -15,7 +15,7 @@ import pytest
 from dsv4_jax import compressor, compressor_kernel
 
 ON_GPU = jax.default_backend() == "gpu"
-KERNEL = True if ON_GPU else "interpret"
+KERNEL = "pallas" if ON_GPU else "interpret"
 
 
 def ring_inputs(overlap: bool, m: int, dc: int, b: int, dtype, seed: int = 0):
@@ -72,7 +72,7 @@ def test_shapes_the_triton_kernel_takes():
 
 
 @pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
-def test_a_layer_decoding_with_the_kernel_equals_the_layer_without(layer, monkeypatch):
+def test_a_layer_decoding_with_the_kernel_equals_the_layer_without(layer):
     """The tiny layer in float32: a prefill, then decode steps across two window ends (CSA
     m = 4, HCA m = 8; the unit test above mixes completing and other rows), with the kernel for every decode
     pooling against the XLA path: the outputs and every cache leaf agree."""
@@ -85,9 +85,8 @@ def test_a_layer_decoding_with_the_kernel_equals_the_layer_without(layer, monkey
     hidden = jnp.asarray(rng.normal(size=(2, 40, cfg.hidden_size)), jnp.float32)
 
     def run(kernel):
-        monkeypatch.setattr(compressor_kernel, "COMPRESS_KERNEL", kernel)
-        jax.clear_caches()  # the switch is read at trace time
-        attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(layer), dtype=jnp.float32)
+        attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(layer), dtype=jnp.float32,
+                                            kernels=dsv4_jax.KernelPlan(compress=kernel))
         cache, outs = attn.init_cache(2, 48), []
         positions = jnp.asarray([np.arange(0, 21), np.arange(0, 21)], jnp.int32)
         out, cache = attn(hidden[:, :21], positions, cache)
@@ -97,10 +96,7 @@ def test_a_layer_decoding_with_the_kernel_equals_the_layer_without(layer, monkey
             outs.append(np.asarray(out, np.float32))
         return np.concatenate(outs, axis=1), jax.tree.leaves(cache)
 
-    try:
-        (want, want_cache), (got, got_cache) = run(False), run(KERNEL)
-    finally:
-        jax.clear_caches()
+    (want, want_cache), (got, got_cache) = run("xla"), run(KERNEL)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=1e-5)
     for a, b in zip(got_cache, want_cache):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)

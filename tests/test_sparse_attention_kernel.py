@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv4_jax import KernelPlan
 from dsv4_jax import sparse_attention as sa
 from dsv4_jax import sparse_attention_kernel as sak
 
@@ -47,14 +48,14 @@ def decode_inputs(*args, **kwargs):
     return query_inputs(*args, **kwargs, s=1)
 
 
+XLA = KernelPlan.named("xla")
+INTERPRET = KernelPlan.named("interpret")
+
+
 def _xla(q, pool, widx, sinks, kwargs):
     # HIGHEST, as the layer passes for float32 (a GPU would otherwise use TF32 for the dots).
-    saved, sa.DECODE_KERNEL = sa.DECODE_KERNEL, False
-    try:
-        return np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs,
-                                              precision=jax.lax.Precision.HIGHEST).o, np.float32)
-    finally:
-        sa.DECODE_KERNEL = saved
+    return np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs, precision=jax.lax.Precision.HIGHEST,
+                                          kernels=XLA).o, np.float32)
 
 
 def kernel_path(q, pool, widx, sinks, kwargs, **blocks):
@@ -136,9 +137,8 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
-    monkeypatch.setattr(sa, "DECODE_KERNEL" if phase == "decode" else "PREFILL_KERNEL", "interpret")
     kw16 = {n: (v.astype(jnp.bfloat16) if n == "entries" else v) for n, v in kwargs.items()}
-    sa.sparse_attention(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), widx, sinks, **kw16)
+    sa.sparse_attention(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), widx, sinks, **kw16, kernels=INTERPRET)
     assert {n: calls[-1][n] for n in blocks} == blocks
     got = np.asarray(real(q, pool, widx, sinks, **kwargs, **blocks, interpret=True), np.float32)
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
@@ -147,34 +147,31 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
 @pytest.mark.parametrize("s", [1, 4], ids=["decode", "prefill"])
 def test_sparse_attention_chooses_the_kernel_only_where_asked(s, monkeypatch):
     q, pool, widx, sinks, kwargs = query_inputs("csa", b=1, h=4, d=8, w=4, t=6, k=3, dtype=jnp.float32, s=s)
-    switch, other = ("DECODE_KERNEL", "PREFILL_KERNEL") if s == 1 else ("PREFILL_KERNEL", "DECODE_KERNEL")
+    stage, other = ("decode_attention", "prefill_attention") if s == 1 else ("prefill_attention", "decode_attention")
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
-    monkeypatch.setattr(sa, other, "interpret")  # the other phase's switch does not reach this call
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs)
-    assert not calls
-    monkeypatch.setattr(sa, switch, "interpret")
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs)
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs, kernels=KernelPlan(**{other: "interpret"}))
+    assert not calls  # the other phase's choice does not reach this call
+    asked = KernelPlan(**{stage: "interpret"})
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs, kernels=asked)
     assert calls and calls[-1]["interpret"] is True
     calls.clear()
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs, with_mass=True)  # masses: the XLA path
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs, with_mass=True, kernels=asked)  # masses: the XLA path
     assert not calls
-    monkeypatch.setattr(sa, switch, None)  # the default: shapes Triton cannot take stay on XLA
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs)
+    sa.sparse_attention(q, pool, widx, sinks, **kwargs)  # the default: shapes Triton cannot take stay on XLA
     assert not calls
 
 
 def test_forced_prefill_blocks_may_skip_masked_entry_blocks(monkeypatch):
-    """`bench/stack.py --prefill-blocks BK,BH,WARPS,STAGES,1`: the forced kernel skips each
-    row's entry blocks past its last pick, with the XLA path's result."""
+    """A plan's forced blocks (`bench/stack.py --prefill-blocks BK,BH,WARPS,STAGES,1`): the forced
+    kernel skips each row's entry blocks past its last pick, with the XLA path's result."""
     q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=40, k=16, dtype=jnp.float32, s=6)
-    monkeypatch.setitem(sak.FORCED_BLOCKS, "prefill_float32", (4, 2, 4, 1, 1))
-    monkeypatch.setattr(sa, "PREFILL_KERNEL", "interpret")
+    plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1, 1))
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
-    got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs).o, np.float32)
+    got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs, kernels=plan).o, np.float32)
     assert calls[-1]["skip_masked_blocks"] is True
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
@@ -199,25 +196,19 @@ def test_golden_calls_through_the_kernel(golden, layer, monkeypatch):
     intermediates (which keep the XLA path)."""
     from helpers import golden_layer, rel_err
 
-    monkeypatch.setattr(sa, "DECODE_KERNEL", "interpret")
-    monkeypatch.setattr(sa, "PREFILL_KERNEL", "interpret")
     traced = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: traced.append(1) or real(*a, **k))
-    jax.clear_caches()  # the switch is read when tracing; jax shares traces between jits of a function
-    try:
-        attn = golden_layer(golden, layer, break_mode="none")
-        cache = attn.init_cache(golden.batch, sum(golden.schedule) + 3)
-        decodes = 0
-        for c in range(len(golden.schedule)):
-            call = golden.call(layer, c)
-            out, cache = attn(jnp.asarray(call["hidden"]), call["positions"], cache)
-            err = rel_err(out, call["out"])
-            assert err < 2e-5, f"{golden.name} layer {layer} call {c}: rel err {err:.2e}"
-            decodes += call["hidden"].shape[1] == 1
-        assert decodes > 0 and traced  # decode calls ran, and their steps were traced with the kernel
-    finally:
-        jax.clear_caches()  # no trace made with the switch outlives the test
+    attn = golden_layer(golden, layer, break_mode="none", kernels="interpret")
+    cache = attn.init_cache(golden.batch, sum(golden.schedule) + 3)
+    decodes = 0
+    for c in range(len(golden.schedule)):
+        call = golden.call(layer, c)
+        out, cache = attn(jnp.asarray(call["hidden"]), call["positions"], cache)
+        err = rel_err(out, call["out"])
+        assert err < 2e-5, f"{golden.name} layer {layer} call {c}: rel err {err:.2e}"
+        decodes += call["hidden"].shape[1] == 1
+    assert decodes > 0 and traced  # decode calls ran, and their steps were traced with the kernel
 
 
 FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, each CUDA default's, and
@@ -259,32 +250,9 @@ def test_triton_kernel_at_flash_sizes(kind, phase, b, s, which):
     assert kernel_err <= max(2 * xla_err, 2 ** -7 * np.abs(exact).max())
 
 
-def test_the_benchmark_runs_and_agrees(tmp_path):
-    """bench/decode_kernel.py --quick, decode and prefill (interpret mode off the GPU): every kernel row timed and
-    within bf16 rounding of the XLA path (timings are the benchmark's, not asserted)."""
-    import json
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from bench import decode_kernel
-
-    out = tmp_path / "decode_kernel.json"
-    assert decode_kernel.main(["--quick", "--phases", "decode,prefill", "--json", str(out)]) == 0
-    records = json.loads(out.read_text())["records"]
-    kernels = [r for r in records if r["impl"].startswith("kernel")]
-    # CSA and HCA: decode at B = 1 and 32, one prefill; each by XLA and one kernel
-    assert len(kernels) == 6 and len(records) == 12
-    for r in kernels:
-        assert "error" not in r, r
-        assert r["op_us"] > 0 and r["max_abs_diff"] <= 2 ** -6 * r["out_max"], r
-
-
 @pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
-def test_the_layer_with_the_kernel_equals_the_layer_without(layer, monkeypatch):
+def test_the_layer_with_the_kernel_equals_the_layer_without(layer):
     """The whole layer on CUDA in float32, a prefill of 300 tokens in two chunks and decode
     steps, with the kernel for every call (prefill and decode) against the XLA path: 16 heads
     of 64 (shapes the Triton kernel takes), the queries' in-place rope update feeding it."""
@@ -297,11 +265,8 @@ def test_the_layer_with_the_kernel_equals_the_layer_without(layer, monkeypatch):
     rng = np.random.default_rng(layer)
     hidden = jnp.asarray(rng.normal(size=(2, 304, cfg.hidden_size)), jnp.float32)
 
-    def run(kernel):
-        monkeypatch.setattr(sa, "DECODE_KERNEL", kernel)
-        monkeypatch.setattr(sa, "PREFILL_KERNEL", kernel)
-        jax.clear_caches()  # the switches are read at trace time
-        attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(layer), dtype=jnp.float32)
+    def run(kernels):
+        attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(layer), dtype=jnp.float32, kernels=kernels)
         cache, outs, start = attn.init_cache(2, 320), [], 0
         for n in (200, 100, 1, 1, 1, 1):
             positions = jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (2, n))
@@ -310,8 +275,6 @@ def test_the_layer_with_the_kernel_equals_the_layer_without(layer, monkeypatch):
             start += n
         return np.concatenate(outs, axis=1)
 
-    try:
-        want, got = run(False), run(True)
-    finally:
-        jax.clear_caches()
+    want = run("xla")
+    got = run(KernelPlan(decode_attention="pallas", prefill_attention="pallas"))
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=2e-5)

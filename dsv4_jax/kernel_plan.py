@@ -1,0 +1,132 @@
+"""Which implementation runs each kernel-backed stage: the `kernels=` switch, as a static plan.
+
+A layer's stages all have an XLA reference (the math, written once). Three of them also have
+kernels that measured faster on an H200:
+
+==================  =====================================  ====================================
+stage               kernel                                 reference
+==================  =====================================  ====================================
+``select``          the native scoring + top-k handlers    `indexer.select_topk` (`lax.top_k`)
+                    (XLA FFI, csrc/; see `native`)
+``decode_attention``  Pallas sparse attention, one query   `sparse_attention._xla_path`
+                    per row (`sparse_attention_kernel`)
+``prefill_attention`` the same kernel, many queries a row  `sparse_attention._xla_path`
+``compress``        Pallas decode pooling of the           `compressor._pool`
+                    compressors (`compressor_kernel`)
+==================  =====================================  ====================================
+
+`kernels=` names a whole plan:
+
+* ``"auto"`` (default): what measured faster on the platform: the native selection where it is
+  built; on CUDA the Pallas kernels for the shapes they won on (`sparse_attention_kernel.
+  CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step); the XLA reference elsewhere.
+* ``"xla"``: every stage by its XLA reference: no native handler, no Pallas kernel.
+* ``"native"``: as "auto", but the native handlers are required (an error names why they are not
+  usable).
+* ``"interpret"``: the Pallas kernels in Pallas' interpret mode on every backend and for every
+  shape they take (tests and debugging on a CPU), the native handlers where built.
+
+or is a `KernelPlan` for one stage at a time (A/B runs, forced block sizes). Each stage's choice:
+"auto" (the measured default above), "pallas" (the kernel on CUDA for every shape it takes, the
+reference on other platforms), "interpret" or "xla"; ``select``: "auto", "native" or "xla".
+
+The plan is resolved once per step (`resolve`, for the step's platform) and sits in the step's
+static identity (`breaks.BreakPlan.kernels`, part of `StepSpec`): changing `kernels` between
+calls compiles the program it names, never reuses a stale one. Nothing here is read from a
+module global at trace time.
+
+Gradients: every kernel differentiates as its reference (`backend.differentiated_as`): the
+forward runs the kernel, the backward is the XLA reference's VJP. So ``jax.grad`` works with
+every plan, and gives the reference's gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KERNELS = ("auto", "xla", "native", "interpret")
+STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
+SELECT_CHOICES = ("auto", "native", "xla")
+PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """The implementation of each kernel-backed stage of a step (hashable; see the module doc).
+
+    select:            "auto" | "native" | "xla"  the indexer's scoring + top-k
+    decode_attention:  "auto" | "pallas" | "interpret" | "xla"  sparse attention, one query a row
+    prefill_attention: the same, for calls of several queries a row
+    compress:          the same, for the compressors' decode pooling
+    decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
+        phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
+        None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
+        some, else `sparse_attention_kernel.FORCED_BLOCKS`.
+    """
+
+    select: str = "auto"
+    decode_attention: str = "auto"
+    prefill_attention: str = "auto"
+    compress: str = "auto"
+    decode_blocks: tuple[int, ...] | None = None
+    prefill_blocks: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        _choice("kernels.select", self.select, SELECT_CHOICES)
+        for stage in PALLAS_STAGES:
+            _choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
+        for name in ("decode_blocks", "prefill_blocks"):
+            blocks = getattr(self, name)
+            if blocks is None:
+                continue
+            if (not isinstance(blocks, tuple) or len(blocks) not in (4, 5)
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in blocks)):
+                raise ValueError(f"kernels.{name}: expected (block_keys, block_heads, num_warps, num_stages"
+                                 f"[, skip_masked_blocks]) as a tuple of 4 or 5 ints, got {blocks!r}")
+
+    @classmethod
+    def named(cls, kernels: str) -> KernelPlan:
+        """The plan a `kernels=` name stands for."""
+        _choice("kernels", kernels, KERNELS)
+        if kernels == "xla":
+            return cls(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla")
+        if kernels == "interpret":
+            return cls(decode_attention="interpret", prefill_attention="interpret", compress="interpret")
+        return cls(select="native" if kernels == "native" else "auto")
+
+    def resolve(self, platform: str, native_available: bool) -> KernelPlan:
+        """This plan for `platform` ("cpu", "cuda", ...): "auto" selection decided by whether the
+        native handlers are usable there; Pallas stages that only run on CUDA ("auto",
+        "pallas") become "xla" elsewhere. The result holds no "auto" selection."""
+        select = self.select if self.select != "auto" else ("native" if native_available else "xla")
+        stages = {}
+        if platform != "cuda":
+            stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas")}
+        return dataclasses.replace(self, select=select, **stages)
+
+    def attention(self, phase: str) -> str:
+        """The sparse attention choice for a "decode" or "prefill" call."""
+        return self.decode_attention if phase == "decode" else self.prefill_attention
+
+    def blocks(self, phase: str) -> tuple[int, ...] | None:
+        return self.decode_blocks if phase == "decode" else self.prefill_blocks
+
+
+AUTO = KernelPlan()  # what `kernels="auto"` names before resolution
+REFERENCE = KernelPlan.named("xla")  # every stage by its XLA reference
+
+
+def as_kernel_plan(kernels: Any) -> KernelPlan:
+    """`kernels=` (a name of `KERNELS` or a `KernelPlan`) as a `KernelPlan`; `ValueError` otherwise."""
+    if isinstance(kernels, KernelPlan):
+        return kernels
+    if isinstance(kernels, str) and kernels in KERNELS:
+        return KernelPlan.named(kernels)
+    raise ValueError(f"kernels: expected one of {KERNELS} or a dsv4_jax.KernelPlan, got {kernels!r}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value

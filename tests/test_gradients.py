@@ -1,0 +1,169 @@
+"""Gradients through every path a user can reach: each kernel differentiates as its XLA reference.
+
+The Pallas kernels (sparse attention for decode and prefill, the compressors' decode pooling)
+have no differentiation rule of their own; `backend.differentiated_as` gives each the VJP of
+its XLA twin. On the CPU they run in interpret mode (``kernels="interpret"``), the same kernel
+bodies the GPU runs. The loss spans a prefill and a decode step on the cache it left (whose
+token completes a compressor window), so the gradient also flows through the cache. Checked:
+with respect to the parameters and the hidden states, every layer type, every break mode that
+differentiates (``none``, ``narrow`` on the host and on the device), equal to the XLA
+reference's gradient; the wide break refuses with a `ValueError` naming ``break_mode``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import random_layer
+
+import dsv4_jax
+from dsv4_jax import KernelPlan, attention_step, native
+from dsv4_jax.backend import differentiated_as
+
+CFG = dsv4_jax.DeepseekV4Config.tiny()
+PROMPT = 23  # then one decode step at position 23, which completes a CSA (m = 4) and an HCA (m = 8) window
+BATCH = 2
+LAYERS = {"sliding": 0, "csa": 1, "hca": 2}
+NATIVE_BUILT = native.available("cpu")
+
+
+def two_calls_loss(weights, hidden, cache, spec):
+    """mean(out^2) of a prefill of PROMPT tokens plus that of one decode step on its cache."""
+    out1, cache, _ = attention_step(weights, cache, hidden[:, :PROMPT], None, spec)
+    out2, _, _ = attention_step(weights, cache, hidden[:, PROMPT:], None, spec)
+    return jnp.mean(out1.astype(jnp.float32) ** 2) + jnp.mean(out2.astype(jnp.float32) ** 2)
+
+
+GRAD = jax.jit(jax.value_and_grad(two_calls_loss, argnums=(0, 1)), static_argnames="spec")
+
+
+def loss_and_grads(layer: str, **options):
+    attn = random_layer(CFG, LAYERS[layer], seed=4, **options)
+    hidden = jnp.asarray(np.random.default_rng(5).normal(size=(BATCH, PROMPT + 1, CFG.hidden_size)), jnp.float32)
+    cache = attn.init_cache(BATCH, 32).replace(layer_idx=-1)
+    cache = cache.replace(length=jnp.asarray(cache.length))
+    return GRAD(attn.weights(), hidden, cache, spec=attn.step_spec())
+
+
+@functools.cache
+def reference(layer: str):
+    """The XLA reference: no native handler, no Pallas kernel, no break."""
+    return loss_and_grads(layer, break_mode="none", kernels="xla")
+
+
+def assert_same_gradients(got, want, rtol=2e-5):
+    (loss, grads), (want_loss, want_grads) = got, want
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    paths = jax.tree_util.tree_leaves_with_path(want_grads)
+    leaves = jax.tree.leaves(grads)
+    assert len(leaves) == len(paths)
+    for (path, w), g in zip(paths, leaves):
+        scale = float(np.abs(np.asarray(w)).max())
+        name = jax.tree_util.keystr(path)
+        assert scale > 0 or "indexer" in name, f"{name}: the reference gradient vanishes"
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=rtol * max(scale, 1e-30),
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_every_kernel_differentiates_as_its_reference(layer, monkeypatch):
+    """kernels="interpret": every Pallas kernel runs (prefill and decode sparse attention, the
+    decode pooling), and jax.grad w.r.t. the weights and the input equals the XLA reference's."""
+    from dsv4_jax import compressor_kernel
+    from dsv4_jax import sparse_attention_kernel as sak
+
+    ran = []
+    for module, name in ((sak, "sparse_attention_kernel"), (compressor_kernel, "pool_one_token")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, functools.partial(lambda real, name, *a, **k: ran.append(name)
+                                                            or real(*a, **k), real, name))
+    got = loss_and_grads(layer, break_mode="none", kernels="interpret")
+    expected = {"sparse_attention_kernel"} | ({"pool_one_token"} if layer != "sliding" else set())
+    assert set(ran) == expected
+    assert_same_gradients(got, reference(layer))
+
+
+@pytest.mark.parametrize("mode", [
+    dict(break_mode="narrow", break_on="host"),
+    pytest.param(dict(break_mode="narrow", break_on="device"),
+                 marks=pytest.mark.skipif(not NATIVE_BUILT, reason="the native handlers are not built")),
+    pytest.param(dict(break_mode="none", kernels="native"),
+                 marks=pytest.mark.skipif(not NATIVE_BUILT, reason="the native handlers are not built")),
+], ids=["narrow-host", "narrow-device", "none-native"])
+def test_every_break_mode_gives_the_reference_gradient(mode):
+    """The picks are integers and the break's inputs are cut from differentiation, so a host
+    or device break (with the kernels in interpret mode too) changes nothing in the gradient."""
+    assert_same_gradients(loss_and_grads("csa", **{"kernels": "interpret", **mode}), reference("csa"))
+
+
+def test_the_wide_break_refuses_to_differentiate():
+    with pytest.raises(ValueError, match=r"break_mode: 'wide' cannot be differentiated.*'none' or 'narrow'"):
+        loss_and_grads("csa", break_mode="wide")
+
+
+def test_nnx_grad_through_the_module_call():
+    """The researcher's spelling: `nnx.grad` of a loss of the layer's call, kernels included."""
+    attn = random_layer(CFG, LAYERS["hca"], seed=4, break_mode="none", kernels="interpret")
+    hidden = jnp.asarray(np.random.default_rng(5).normal(size=(BATCH, PROMPT + 1, CFG.hidden_size)), jnp.float32)
+
+    def loss(attn):
+        cache = attn.init_cache(BATCH, 32)
+        out1, cache = attn(hidden[:, :PROMPT], None, cache)
+        out2, _ = attn(hidden[:, PROMPT:], None, cache)
+        return jnp.mean(out1 ** 2) + jnp.mean(out2 ** 2)
+
+    grads = nnx.grad(loss)(attn)
+    want = reference("hca")[1][0]
+    for name in ("q_b_proj", "o_a_proj", "sinks"):
+        np.testing.assert_allclose(np.asarray(getattr(grads, name)[...]), np.asarray(getattr(want, name)),
+                                   rtol=2e-5, atol=2e-5 * float(np.abs(np.asarray(getattr(want, name))).max()))
+    np.testing.assert_allclose(np.asarray(grads.compressor.gate_proj[...]), np.asarray(want.compressor.gate_proj),
+                               rtol=2e-5, atol=2e-5 * float(np.abs(np.asarray(want.compressor.gate_proj)).max()))
+
+
+def test_differentiated_as_takes_the_references_vjp():
+    """The kernel's forward, the reference's backward; integer and boolean arguments and None
+    get no cotangent."""
+
+    def reference_fn(x, idx, mask, w):
+        return jnp.where(mask, jnp.sin(x[idx]) * w, 0.0)
+
+    def kernel(x, idx, mask, w):  # a different forward: the gradient must not be its own
+        return reference_fn(x, idx, mask, w) + 1.0
+
+    fn = differentiated_as(reference_fn)(kernel)
+    x, w = jnp.arange(5.0), jnp.asarray(2.0)
+    idx, mask = jnp.asarray([4, 0, 0]), jnp.asarray([True, False, True])
+    np.testing.assert_allclose(np.asarray(fn(x, idx, mask, w)), np.asarray(reference_fn(x, idx, mask, w) + 1.0))
+    got = jax.grad(lambda x, w: fn(x, idx, mask, w).sum(), argnums=(0, 1))(x, w)
+    want = jax.grad(lambda x, w: reference_fn(x, idx, mask, w).sum(), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_a_changed_plan_compiles_its_own_program(monkeypatch):
+    """`kernels` is part of the step's static identity: switching it on a layer between calls
+    runs the program it names (never a stale compiled one), and switching back reuses the first."""
+    from dsv4_jax import sparse_attention_kernel as sak
+
+    traced = []
+    real = sak.sparse_attention_kernel
+    monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: traced.append(1) or real(*a, **k))
+    attn = random_layer(CFG, LAYERS["sliding"], seed=7, break_mode="none", kernels="xla")
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 5, CFG.hidden_size)), jnp.float32)
+    cache = attn.init_cache(1, 16)
+    want, _ = attn(x, None, cache)
+    assert not traced
+    attn.kernels = KernelPlan(prefill_attention="interpret")
+    got, _ = attn(x, None, cache)
+    assert traced  # the kernel's program, compiled for the new plan
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    traced.clear()
+    attn.kernels = "xla"
+    again, _ = attn(x, None, cache)
+    assert not traced and np.array_equal(np.asarray(again), np.asarray(want))
