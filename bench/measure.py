@@ -142,7 +142,7 @@ def clone(cache):
 
 def host_breaks(attn, x, pos, cache) -> int:
     """Host callbacks (breaks) in the lowered step for these inputs: count of Python callbacks."""
-    spec = attn.step_spec(x.dtype)
+    spec = attn.step_spec()
     step = attention_mod.step_function(attn.donate_cache)
     text = step.lower(attn.step_weights(), cache, x, pos, spec=spec).as_text()
     return text.count("xla_ffi_python_")
@@ -246,7 +246,7 @@ class JaxRun:
         if dev_inputs["prompt"] is not None:
             _, cache = attn(*dev_inputs["prompt"], cache)
         steps = dev_inputs["steps"][:n_steps]
-        spec = attn.step_spec(steps[0][0].dtype)
+        spec = attn.step_spec()
         step = attention_mod.step_function(attn.donate_cache)
         weights = attn.step_weights()  # what the module call hands the step
         cache = cache.replace(length=jnp.asarray(cache.length))

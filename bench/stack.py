@@ -56,7 +56,6 @@ import math
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -78,9 +77,8 @@ from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from dsv4_jax import attention as attention_mod  # noqa: E402
-from dsv4_jax import backend, sparse_attention_kernel  # noqa: E402
-from dsv4_jax import sparse_attention as sparse_attention_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
+from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
 
 STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
 FLOOR_LAYER = {CSA: "csa", HCA: "hca"}
@@ -139,13 +137,16 @@ STACK_STEP_OWN_POSITIONS = {
 class Stack:
     """The layers of one stack (random weights, as `bench/run.py`'s), their specs and weights."""
 
-    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str, fused: bool = True):
+    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str, fused: bool = True, kernel_args=None):
+        """`kernel_args`: the command line, whose A/B switches change the mode's kernel plan (`kernel_plan`)."""
         self.cfg, self.kind, self.dtype = cfg, kind, jnp.dtype(dtype)
         self.indices = stack_layer_indices(cfg, kind, n)
         self.layers = []
         for i in self.indices:
             attn = measure.build_layer(cfg, i, self.dtype, seed + i)
             plan_mod.apply_mode(attn, mode)
+            if kernel_args is not None:
+                attn.kernels = kernel_plan(kernel_args, attn.kernels)
             self.layers.append(attn)
         self.specs = tuple(a.step_spec() for a in self.layers)
         # What the module call hands the step (input projections fused), or the parameters alone.
@@ -263,8 +264,17 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
             **stack.floor(batch, context + warm + repeats * steps // 2, 1)}
 
 
-def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int) -> dict:
-    """Prefill timings: one prompt of `length` tokens into empty caches, whole calls."""
+def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int, chunk=None,
+                 memory_bytes: float | None = None) -> dict:
+    """Prefill timings: one prompt of `length` tokens into empty caches, whole calls.
+
+    `chunk` (``--prefill-chunk``): None, the prompt as one call of the stack's step; an int, or
+    "auto" (`dsv4_jax.long_context.prefill_chunk_size` within `memory_bytes`, default the
+    device's free memory once the caches exist): the prompt as consecutive calls of that many
+    tokens (`time_chunked_prefill`). Both record the device's memory (`prefill_memory_record`).
+    """
+    if chunk is not None:
+        return time_chunked_prefill(stack, batch, length, repeats, seed, chunk, memory_bytes)
     max_seq_len = _round_up(length)
     x = _hidden(stack.cfg, batch, length, stack.dtype, seed)
     pos = _positions(batch, 0, length)
@@ -287,7 +297,102 @@ def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int)
     step_ms = 1e3 * float(np.median(times))
     return {"step_ms": step_ms, "per_layer_ms": step_ms / n, "per_layer_ms_repeats": [1e3 * t / n for t in times],
             "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len, "repeats": repeats,
-            "output_finite": bool(jnp.all(jnp.isfinite(h))), **stack.floor(batch, 0, length)}
+            "output_finite": bool(jnp.all(jnp.isfinite(h))), **stack.floor(batch, 0, length),
+            "chunk": None, **prefill_memory_record()}
+
+
+def prefill_memory_record(before: dict | None = None) -> dict:
+    """The device's memory for a prefill record (None where it reports none, as XLA:CPU):
+    ``peak_bytes_in_use`` is its peak since the process started (JAX has no reset), so it is
+    the prefill's own only where the prefill is the largest thing the process ran: for that,
+    one stack and one prompt length a run (``--stacks csa --scenarios stack_prefill --prefills N``).
+    ``bytes_in_use_before``: in use before the timed calls (weights and caches)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"peak_bytes_in_use": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
+            "bytes_in_use_before": (before or {}).get("bytes_in_use")}
+
+
+def prefill_chunk_for(stack: Stack, batch: int, length: int, max_seq_len: int, chunk,
+                      memory_bytes: float | None = None) -> tuple[int, dict]:
+    """(tokens per call, record fields) for ``--prefill-chunk``: an int as given (at most the
+    prompt), or "auto": `long_context.prefill_chunk_size` for the stack's layers (their types,
+    dtype, query block, indexer path; caches donated, residual stream carried) within
+    `memory_bytes`, default `long_context.available_memory_bytes()` (call it once the caches
+    exist: their memory is then no longer free)."""
+    from dsv4_jax import long_context
+
+    layer_types = [a.layer_type for a in stack.layers]
+    options = dict(query_block=max(a.query_block for a in stack.layers), donated=True, residual=True,
+                   xla_scores=any(long_context.indexer_scores_by_xla(a) for a in stack.layers))
+    budget = None
+    if chunk == "auto":
+        budget = int(memory_bytes) if memory_bytes is not None else long_context.available_memory_bytes()
+        chunk = long_context.prefill_chunk_size(stack.cfg, layer_types, batch, budget, stack.dtype,
+                                                max_seq_len=max_seq_len, at_most=length, **options)
+    chunk = min(int(chunk), length)
+    estimate = long_context.prefill_chunk_bytes(stack.cfg, layer_types, batch, chunk, max_seq_len, stack.dtype,
+                                                **options)
+    return chunk, {"chunk": chunk, "chunk_auto": budget is not None, "memory_budget_bytes": budget,
+                   "chunk_estimate_bytes": estimate}
+
+
+def time_chunked_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int, chunk,
+                         memory_bytes: float | None = None) -> dict:
+    """A prompt of `length` tokens into empty caches as consecutive calls of the stack's compiled
+    step of `chunk` tokens (the last one shorter; one compile per chunk length), timed as a whole:
+    ``step_ms`` is the whole prompt's time, ``per_layer_ms`` = step_ms / N layers, ``floor_ms`` the
+    sum of the chunks' floors (per layer; every chunk reads the weights again).
+
+    The chunks' hidden states are one random [B, chunk, hidden] block (and one of the last
+    chunk's length), made before the clock and fed to every chunk: a 1M-token input would take
+    device memory the prefill itself does not need (a model embeds each chunk's tokens as it
+    goes). The caches are donated from call to call, as in a model's chunked prefill."""
+    from dsv4_jax.cache import cache_nbytes
+
+    max_seq_len = _round_up(length)
+    caches = jax.block_until_ready(stack.empty_caches(batch, max_seq_len))
+    chunk, chunk_record = prefill_chunk_for(stack, batch, length, max_seq_len, chunk, memory_bytes)
+    bounds = [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
+    xs = {n: _hidden(stack.cfg, batch, n, stack.dtype, seed) for n in sorted({n for _, n in bounds})}
+    positions = jax.block_until_ready([_positions(batch, start, n) for start, n in bounds])
+    cache_bytes = sum(cache_nbytes(c) for c in caches)
+    before = jax.devices()[0].memory_stats() or {}
+
+    def run(caches):
+        for (_, n), pos in zip(bounds, positions):
+            h, caches = STACK_STEP(stack.weights, caches, xs[n], pos, specs=stack.specs)
+        return jax.block_until_ready((h, caches))
+
+    clock = measure.compile_clock()
+    clock.start()
+    t0 = time.perf_counter()
+    h, caches = run(caches)
+    first_s = time.perf_counter() - t0
+    compile_s = clock.stop()
+    del caches
+    times = []
+    for _ in range(repeats):
+        caches = jax.block_until_ready(stack.empty_caches(batch, max_seq_len))
+        t0 = time.perf_counter()
+        h, caches = run(caches)
+        times.append(time.perf_counter() - t0)
+        del caches
+    n_layers = len(stack.layers)
+    step_ms = 1e3 * float(np.median(times))
+    return {"step_ms": step_ms, "per_layer_ms": step_ms / n_layers,
+            "per_layer_ms_repeats": [1e3 * t / n_layers for t in times], "compile_s": compile_s,
+            "first_call_s": first_s, "max_seq_len": max_seq_len, "repeats": repeats, "chunks": len(bounds),
+            "output_finite": bool(jnp.all(jnp.isfinite(h))), "cache_bytes": cache_bytes,
+            **chunked_floor(stack, batch, bounds), **chunk_record, **prefill_memory_record(before)}
+
+
+def chunked_floor(stack: Stack, batch: int, bounds: list) -> dict:
+    """The per-layer floor of a prompt run as the calls `bounds` [(start, tokens)]: the sum of
+    the calls' floors (`Stack.floor`)."""
+    floors = [stack.floor(batch, start, n) for start, n in bounds]
+    out = {key: float(sum(f[key] for f in floors)) for key in ("floor_ms", "floor_bytes", "floor_flops")}
+    out["floor_bound"] = "/".join(sorted({b for f in floors for b in f["floor_bound"].split("/")}))
+    return out
 
 
 def profile_decode(stack: Stack, batch: int, context: int, steps: int, seed: int, log_dir: str) -> dict:
@@ -410,69 +515,39 @@ def environment() -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "date_utc": _dt.datetime.now(_dt.UTC).isoformat()}
 
 
-def apply_kernel_switches(args) -> None:
-    """The A/B switches of the command line, set on the package's modules (read at trace time):
-    --dot-min-rows, --dot-pad, --(no-)decode-kernel, --(no-)prefill-kernel, --(no-)compress-kernel,
-    --decode-blocks (a forced decode kernel's blocks) and --prefill-blocks (the blocks of every
-    prefill the kernel runs: the CUDA default table's prefill entries and a forced kernel's)."""
-    if getattr(args, "dot_min_rows", None) is not None:
-        backend.DOT_MIN_ROWS = args.dot_min_rows
-    if getattr(args, "dot_pad", None):
-        backend.GPU_DOT_PAD = args.dot_pad
-    if getattr(args, "no_decode_kernel", False):
-        sparse_attention_mod.DECODE_KERNEL = False
-    elif getattr(args, "decode_kernel", False):
-        sparse_attention_mod.DECODE_KERNEL = True
-    if getattr(args, "no_prefill_kernel", False):
-        sparse_attention_mod.PREFILL_KERNEL = False
-    elif getattr(args, "prefill_kernel", False):
-        sparse_attention_mod.PREFILL_KERNEL = True
-    if getattr(args, "no_compress_kernel", False):
-        compressor_kernel_module().COMPRESS_KERNEL = False
-    elif getattr(args, "compress_kernel", False):
-        compressor_kernel_module().COMPRESS_KERNEL = True
-    if getattr(args, "decode_blocks", None):  # bk,bh,warps,stages: a forced decode kernel's blocks
-        sparse_attention_kernel.FORCED_BLOCKS["decode"] = tuple(int(v) for v in args.decode_blocks.split(","))
-    if getattr(args, "prefill_blocks", None):  # bk,bh,warps,stages[,skip]
-        blocks = tuple(int(v) for v in args.prefill_blocks.split(","))
-        sparse_attention_kernel.FORCED_BLOCKS["prefill"] = blocks
-        table = sparse_attention_kernel.CUDA_DEFAULT_BLOCKS
-        for key in [key for key in table if key[1] == "prefill"]:
-            table[key] = blocks
+# The A/B switches of the command line: stage of the plan -> (the flag forcing the kernel, the flag forcing XLA).
+KERNEL_FLAGS = {"decode_attention": ("decode_kernel", "no_decode_kernel"),
+                "prefill_attention": ("prefill_kernel", "no_prefill_kernel"),
+                "compress": ("compress_kernel", "no_compress_kernel")}
 
 
-def compressor_kernel_module():
-    """dsv4_jax.compressor_kernel, or a stand-in where an A/B run's older tree has none."""
-    try:
-        from dsv4_jax import compressor_kernel
-    except ImportError:
-        return types.SimpleNamespace()
-    return compressor_kernel
-
-
-def compress_switch_name(switch_names: dict) -> str:
-    """The compressor kernel's switch as the records name it ("absent" in a tree without it)."""
-    value = getattr(compressor_kernel_module(), "COMPRESS_KERNEL", "absent")
-    return switch_names.get(value, str(value))
+def kernel_plan(args, kernels="auto") -> KernelPlan:
+    """`kernels` (a mode's name or plan) with the command line's A/B switches: --(no-)decode-kernel,
+    --(no-)prefill-kernel, --(no-)compress-kernel ("pallas" / "xla" for that stage), --decode-blocks
+    and --prefill-blocks (the kernel's blocks wherever it runs for that phase)."""
+    plan = as_kernel_plan(kernels)
+    changes = {}
+    for stage, (on, off) in KERNEL_FLAGS.items():
+        if getattr(args, off, False):
+            changes[stage] = "xla"
+        elif getattr(args, on, False):
+            changes[stage] = "pallas"
+    for phase in ("decode", "prefill"):
+        blocks = getattr(args, f"{phase}_blocks", None)
+        if blocks:  # bk,bh,warps,stages[,skip]
+            changes[f"{phase}_blocks"] = tuple(int(v) for v in blocks.split(","))
+    return dataclasses.replace(plan, **changes)
 
 
 def run(args, write=None) -> tuple[list, dict]:
-    apply_kernel_switches(args)
-    switch_names = {None: "cuda default", True: "everywhere on cuda", False: "off"}
     cfg = stack_config(args.size, args.layers_per_stack)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     env = environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
-            "stacks": args.stacks, "dot_min_rows": backend.DOT_MIN_ROWS,
-            "dot_pad": getattr(backend, "GPU_DOT_PAD", "zeros"), "same_buffers": args.same_buffers,
-            "decode_kernel": switch_names.get(sparse_attention_mod.DECODE_KERNEL,
-                                              str(sparse_attention_mod.DECODE_KERNEL)),
-            "prefill_kernel": switch_names.get(sparse_attention_mod.PREFILL_KERNEL,
-                                               str(sparse_attention_mod.PREFILL_KERNEL)),
-            "prefill_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["prefill"]),
-            "decode_blocks_forced": list(sparse_attention_kernel.FORCED_BLOCKS["decode"]),
-            "compress_kernel": compress_switch_name(switch_names),
+            "stacks": args.stacks, "same_buffers": args.same_buffers,
+            "kernels": {mode: dataclasses.asdict(kernel_plan(args, plan_mod.MODE_SETTINGS[mode]["kernels"]))
+                        for mode in args.modes.split(",")},
             "fused_input_projections": not getattr(args, "unfused_projections", False), **env}
     records: list[dict] = []
     scenarios = args.scenarios.split(",")
@@ -482,7 +557,7 @@ def run(args, write=None) -> tuple[list, dict]:
     for mode in ([] if args.call_overhead_only else args.modes.split(",")):
         for kind in args.stacks.split(","):
             stack = Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, mode,
-                          fused=not getattr(args, "unfused_projections", False))
+                          fused=not getattr(args, "unfused_projections", False), kernel_args=args)
             base = {"size": args.size, "stack": kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
                     "layer_indices": stack.indices, "mode": mode, "dtype": dtype.name,
                     "native_select": stack.specs[0].plan.native_select if CSA in STACKS[kind] else None,
@@ -502,7 +577,9 @@ def run(args, write=None) -> tuple[list, dict]:
                         rec.update(time_decode(stack, batch, length, args.steps, args.repeats, args.seed,
                                                same_buffers=args.same_buffers))
                     else:
-                        rec.update(time_prefill(stack, batch, length, max(1, args.repeats), args.seed))
+                        rec.update(time_prefill(stack, batch, length, max(1, args.repeats), args.seed,
+                                                chunk=getattr(args, "prefill_chunk", None),
+                                                memory_bytes=getattr(args, "prefill_memory", None)))
                     rec["ratio_to_floor"] = rec["per_layer_ms"] / rec["floor_ms"] if gpu else None
                 except Exception as err:
                     rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -619,40 +696,53 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--call-overhead-size", default="tiny", choices=("tiny", "small", "flash"))
     ap.add_argument("--call-overhead-only", action="store_true",
                     help="time only the module call vs the jitted step (no stacks); --steps x --repeats calls")
-    ap.add_argument("--dot-min-rows", type=int, default=None,
-                    help="set dsv4_jax.backend.DOT_MIN_ROWS (single-token projections on that many rows; "
-                         "read at trace time: one value per process)")
-    ap.add_argument("--dot-pad", default=None, choices=("zeros", "broadcast"),
-                    help="set dsv4_jax.backend.GPU_DOT_PAD (how a single-token projection's row becomes "
-                         "several on CUDA) for A/B runs")
     ap.add_argument("--same-buffers", default=None, choices=("positions", "all"),
                     help="timed decode steps read their positions from the caches (positions), and take the "
                          "last step's output, donated (all: the same argument and output buffers every step)")
     ap.add_argument("--unfused-projections", action="store_true",
                     help="hand the step weights() (no input_proj: XLA merges the input GEMMs itself) for A/B runs")
     ap.add_argument("--no-decode-kernel", action="store_true",
-                    help="decode attention by the XLA path on CUDA too (dsv4_jax.sparse_attention.DECODE_KERNEL "
-                         "= False; read at trace time) for A/B runs against the Pallas kernel")
+                    help="decode attention by the XLA path on CUDA too (the layers' KernelPlan decode_attention "
+                         "= 'xla') for A/B runs against the Pallas kernel")
     ap.add_argument("--decode-kernel", action="store_true",
-                    help="the Pallas decode kernel on CUDA for every decode shape it takes (DECODE_KERNEL = True)")
+                    help="the Pallas decode kernel on CUDA for every decode shape it takes "
+                         "(decode_attention = 'pallas')")
     ap.add_argument("--no-prefill-kernel", action="store_true",
-                    help="prefill attention by the XLA path on CUDA too (PREFILL_KERNEL = False)")
+                    help="prefill attention by the XLA path on CUDA too (prefill_attention = 'xla')")
     ap.add_argument("--prefill-kernel", action="store_true",
-                    help="the Pallas kernel on CUDA for every prefill shape it takes (PREFILL_KERNEL = True)")
+                    help="the Pallas kernel on CUDA for every prefill shape it takes (prefill_attention = 'pallas')")
     ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS,STAGES[,SKIP]",
-                    help="blocks of every prefill the kernel runs (the CUDA default table's prefill entries "
-                         "and sparse_attention_kernel.FORCED_BLOCKS['prefill']); SKIP 1 = skip_masked_blocks")
+                    help="blocks of every prefill the kernel runs (KernelPlan prefill_blocks); SKIP 1 = "
+                         "skip_masked_blocks")
     ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
-                    help="blocks of a forced decode kernel (sparse_attention_kernel.FORCED_BLOCKS['decode']: "
-                         "the shapes --decode-kernel runs where the CUDA default table has none)")
+                    help="blocks of every decode step the kernel runs (KernelPlan decode_blocks)")
     ap.add_argument("--no-compress-kernel", action="store_true",
-                    help="the compressor's decode pooling by the XLA path on CUDA too "
-                         "(dsv4_jax.compressor_kernel.COMPRESS_KERNEL = False) for A/B runs")
+                    help="the compressor's decode pooling by the XLA path on CUDA too (compress = 'xla') "
+                         "for A/B runs")
     ap.add_argument("--compress-kernel", action="store_true",
-                    help="the compressor's decode pooling kernel on CUDA at every batch, one row too "
-                         "(COMPRESS_KERNEL = True; the default starts at compressor_kernel.CUDA_MIN_BATCH)")
+                    help="the compressor's decode pooling kernel on CUDA for every shape it takes "
+                         "(compress = 'pallas')")
     ap.add_argument("--render", default=None, metavar="JSON")
+    ap.add_argument("--prefill-chunk", default=None, type=prefill_chunk_arg, metavar="N|auto",
+                    help="stack_prefill as consecutive calls of N tokens (auto: the largest chunk whose estimated "
+                         "memory fits the device's free memory, dsv4_jax.long_context.prefill_chunk_size); "
+                         "records chunk, chunks, the estimate and the device's peak memory")
+    ap.add_argument("--prefill-memory", default=None, type=float, metavar="BYTES",
+                    help="the budget of --prefill-chunk auto (default: the device's free memory once the caches exist)")
     return ap
+
+
+def prefill_chunk_arg(value: str):
+    """``--prefill-chunk``: "auto" or a positive int."""
+    if value == "auto":
+        return value
+    try:
+        chunk = int(value)
+    except ValueError:
+        chunk = 0
+    if chunk < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}")
+    return chunk
 
 
 def fill_defaults(args) -> None:

@@ -1,7 +1,8 @@
 """dsv4_jax: DeepSeek-V4 attention in JAX/Flax NNX, with the lightning indexer as a host break."""
 
-# export registers the pytrees for jax.export serialization; sharding: meshes, partition specs.
-from . import export, sharding  # noqa: F401
+# export registers the pytrees for jax.export serialization; sharding: meshes, partition specs;
+# long_context: prompts of any length by chunks, cache sizes.
+from . import export, long_context, sharding  # noqa: F401
 from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, attention_step
 from .breaks import BREAK_MODES, BREAK_PLACES, BreakPlan
 from .cache import AttentionCache, CompressorCache, reset_rows

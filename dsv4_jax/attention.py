@@ -192,10 +192,6 @@ class StepSpec:
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @property
-    def break_mode(self) -> str:
-        return self.plan.mode
-
-    @property
     def ratio(self) -> int:
         return self.cfg.compress_rate(self.layer_type)
 
@@ -934,13 +930,12 @@ class DeepseekV4Attention(nnx.Module):
         """The dtype the layer computes in (and its cache holds): `dtype`, else `param_dtype`."""
         return jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
 
-    def step_spec(self, hidden_dtype=None, return_intermediates: bool = False, checks: bool = False) -> StepSpec:
-        """The static description of the compiled step this layer runs for such inputs.
-
-        `hidden_dtype` (the inputs' dtype) does not change it: inputs are cast to the layer's
-        `compute_dtype`. It is accepted for the callers that pass it. `checks`: the step with
-        in-graph `checkify` checks (`check_in_graph`), to run under `checkify.checkify`.
-        Memoized per value of everything it reads (the layer's options and the mesh)."""
+    def step_spec(self, return_intermediates: bool = False, checks: bool = False) -> StepSpec:
+        """The static description of the compiled step this layer runs (inputs of any float dtype:
+        they are cast to the layer's `compute_dtype`). `return_intermediates`: the step that also
+        returns `Intermediates`; `checks`: the step with in-graph `checkify` checks
+        (`check_in_graph`), to run under `checkify.checkify`. Memoized per value of everything it
+        reads (the layer's options and the mesh)."""
         mesh = self.mesh if self.mesh is not None else sharding.context_mesh()
         key = (mesh, self.sharding_rules, self.break_mode, self.break_on, self.kernels, self.dtype,
                self.param_dtype, self.precision, self.query_block, bool(return_intermediates), bool(checks))

@@ -220,6 +220,22 @@ def map_query_blocks(fn: Callable[..., Any], per_query: Sequence[Array], shared:
     return jax.tree.map(from_blocks, outs)
 
 
+def reference_vjp(reference: Callable[..., Any], args: tuple, cotangent) -> tuple:
+    """The cotangents of `args` under ``reference(*args)`` for `cotangent`: the VJP with respect to
+    every floating-point array among them, None for the others (integer and boolean arrays, None),
+    as a `jax.custom_vjp` backward returns them."""
+    leaves, tree = jax.tree.flatten(args)
+    wrt = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+
+    def ref(*inexact):
+        it = iter(inexact)
+        return reference(*jax.tree.unflatten(tree, [next(it) if w else x for x, w in zip(leaves, wrt)]))
+
+    _, vjp = jax.vjp(ref, *(x for x, w in zip(leaves, wrt) if w))
+    grads = iter(vjp(cotangent))
+    return tuple(jax.tree.unflatten(tree, [next(grads) if w else None for w in wrt]))
+
+
 def differentiated_as(reference: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: a kernel whose gradient is `reference`'s (a `jax.custom_vjp`).
 
@@ -239,19 +255,7 @@ def differentiated_as(reference: Callable[..., Any]) -> Callable[[Callable[..., 
         def forward(*args):
             return kernel(*args), args
 
-        def backward(args, cotangent):
-            leaves, tree = jax.tree.flatten(args)
-            wrt = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-
-            def ref(*inexact):
-                it = iter(inexact)
-                return reference(*jax.tree.unflatten(tree, [next(it) if w else x for x, w in zip(leaves, wrt)]))
-
-            _, vjp = jax.vjp(ref, *(x for x, w in zip(leaves, wrt) if w))
-            grads = iter(vjp(cotangent))
-            return tuple(jax.tree.unflatten(tree, [next(grads) if w else None for w in wrt]))
-
-        call.defvjp(forward, backward)
+        call.defvjp(forward, functools.partial(reference_vjp, reference))
         return functools.wraps(kernel)(call)
 
     return decorate

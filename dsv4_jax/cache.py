@@ -252,13 +252,19 @@ def insert_ring(ring: Array, values: Array, length: Array, frozen: Array | None 
     return scatter_rows(ring, slot, picked)
 
 
-def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int, dtype) -> AttentionCache:
-    """An empty cache for layer `layer_idx` of `cfg` (all zeros, length 0)."""
+def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int, dtype, *,
+                         allow_long_context: bool = False) -> AttentionCache:
+    """An empty cache for layer `layer_idx` of `cfg` (all zeros, length 0).
+
+    `max_seq_len` past ``cfg.max_position_embeddings`` is refused (`check_position_limit`)
+    unless `allow_long_context`.
+    """
     layer_type = cfg.layer_type(layer_idx)
     for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     batch_size, max_seq_len = int(batch_size), int(max_seq_len)
+    check_position_limit(cfg, max_seq_len, allow_long_context)
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype: expected a floating dtype for the cache, got {dtype}")
@@ -284,6 +290,26 @@ def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int,
         layer_type=layer_type,
         max_seq_len=max_seq_len,
     )
+
+
+def check_position_limit(cfg, max_seq_len: int, allow_long_context: bool = False) -> None:
+    """Refuse a cache for positions the model was not trained on, unless asked to.
+
+    A cache of `max_seq_len` tokens holds positions ``0 .. max_seq_len - 1``; past
+    ``cfg.max_position_embeddings`` RoPE (YaRN on the compressed layers) runs at angles the
+    model never saw, and nothing in the layer would say so. As vLLM refuses a ``max_model_len``
+    past the model's limit unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set, this raises a
+    `ValueError` naming both values unless `allow_long_context` is True.
+    """
+    if not isinstance(allow_long_context, (bool, np.bool_)):
+        raise TypeError(f"allow_long_context: expected a bool, got {type(allow_long_context).__name__}")
+    limit = cfg.max_position_embeddings
+    if max_seq_len > limit and not allow_long_context:
+        raise ValueError(
+            f"max_seq_len: expected at most config.max_position_embeddings={limit} (the positions the model "
+            f"was trained for), got {max_seq_len}; pass allow_long_context=True to init_cache to make a cache "
+            "past it anyway (positions beyond the trained range: quality is not guaranteed)"
+        )
 
 
 def cache_nbytes(cache: AttentionCache) -> int:

@@ -155,7 +155,7 @@ def export_step(attn: DeepseekV4Attention, hidden_shape: Sequence[int], cache: A
         )
     if cache.layer_type != attn.layer_type:
         raise ValueError(f"cache: a {cache.layer_type} cache, but the layer is {attn.layer_type}")
-    spec = _exportable_spec(attn.step_spec(jnp.dtype(hidden_dtype), return_intermediates), attn.break_mode,
+    spec = _exportable_spec(attn.step_spec(return_intermediates), attn.break_mode,
                             native_kernels)
     disabled = ()
     if spec.plan.native_select:  # jax.export allows only its own list of custom calls unless told

@@ -13,6 +13,9 @@ stage               kernel                                 reference
 ``prefill_attention`` the same kernel, many queries a row  `sparse_attention._xla_path`
 ``compress``        Pallas decode pooling of the           `compressor._pool`
                     compressors (`compressor_kernel`)
+``attention_        the sparse attention kernel's          the VJP of `sparse_attention.
+backward``          gradient as a Pallas kernel            _xla_path`
+                    (`sparse_attention_backward`)
 ==================  =====================================  ====================================
 
 `kernels=` names a whole plan:
@@ -35,9 +38,10 @@ static identity (`breaks.BreakPlan.kernels`, part of `StepSpec`): changing `kern
 calls compiles the program it names, never reuses a stale one. Nothing here is read from a
 module global at trace time.
 
-Gradients: every kernel differentiates as its reference (`backend.differentiated_as`): the
-forward runs the kernel, the backward is the XLA reference's VJP. So ``jax.grad`` works with
-every plan, and gives the reference's gradients.
+Gradients: every kernel differentiates as its reference. The compressor kernel's backward is
+the XLA reference's VJP (`backend.differentiated_as`); the sparse attention kernel's is its own
+backward kernel (``attention_backward="auto"``) or that VJP ("xla"). So ``jax.grad`` works with
+every plan, and gives the reference's gradients (up to the order of float sums).
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class KernelPlan:
     decode_attention:  "auto" | "pallas" | "interpret" | "xla"  sparse attention, one query a row
     prefill_attention: the same, for calls of several queries a row
     compress:          the same, for the compressors' decode pooling
+    attention_backward: "auto" | "xla"  the gradient of the sparse attention kernel where it runs:
+                       "auto" its backward kernel (`sparse_attention_backward`, where the Triton
+                       kernel takes the shapes; interpret mode where the forward is), "xla" the
+                       XLA reference's VJP
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
@@ -69,6 +77,7 @@ class KernelPlan:
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     compress: str = "auto"
+    attention_backward: str = "auto"
     decode_blocks: tuple[int, ...] | None = None
     prefill_blocks: tuple[int, ...] | None = None
 
@@ -76,6 +85,7 @@ class KernelPlan:
         _choice("kernels.select", self.select, SELECT_CHOICES)
         for stage in PALLAS_STAGES:
             _choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
+        _choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
         for name in ("decode_blocks", "prefill_blocks"):
             blocks = getattr(self, name)
             if blocks is None:
@@ -90,7 +100,8 @@ class KernelPlan:
         """The plan a `kernels=` name stands for."""
         _choice("kernels", kernels, KERNELS)
         if kernels == "xla":
-            return cls(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla")
+            return cls(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla",
+                       attention_backward="xla")
         if kernels == "interpret":
             return cls(decode_attention="interpret", prefill_attention="interpret", compress="interpret")
         return cls(select="native" if kernels == "native" else "auto")
@@ -113,10 +124,6 @@ class KernelPlan:
         return self.decode_blocks if phase == "decode" else self.prefill_blocks
 
 
-AUTO = KernelPlan()  # what `kernels="auto"` names before resolution
-REFERENCE = KernelPlan.named("xla")  # every stage by its XLA reference
-
-
 def as_kernel_plan(kernels: Any) -> KernelPlan:
     """`kernels=` (a name of `KERNELS` or a `KernelPlan`) as a `KernelPlan`; `ValueError` otherwise."""
     if isinstance(kernels, KernelPlan):
@@ -130,3 +137,7 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
     return value
+
+
+AUTO = KernelPlan()  # what `kernels="auto"` names before resolution
+REFERENCE = KernelPlan.named("xla")  # every stage by its XLA reference

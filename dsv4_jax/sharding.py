@@ -97,15 +97,6 @@ _INTERMEDIATE_AXES = {
 }
 
 
-# ---------------------------------------------------------------------------- jax versions
-def shard_map(fn: Callable[..., Any], *, mesh, in_specs, out_specs, check_vma: bool = True):
-    """`jax.shard_map` (jax >= 0.8), or `jax.experimental.shard_map.shard_map` (``check_rep``)
-    before it: the one place the two spellings differ."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
-    from jax.experimental.shard_map import shard_map as legacy  # pragma: no cover (jax < 0.8)
-
-    return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
@@ -411,7 +402,7 @@ def run_per_shard(fn: Callable[..., Any], lay: MeshLayout, batched: Sequence[Any
         return jax.lax.psum(jax.lax.cond(first, fn, skip, *args), replicas)
 
     in_specs = tuple([batch] * len(batched) + [P()] * len(shared))
-    mapped = shard_map(body, mesh=lay.mesh, in_specs=in_specs, out_specs=batch)
+    mapped = jax.shard_map(body, mesh=lay.mesh, in_specs=in_specs, out_specs=batch)
     return mapped(*batched, *shared)
 
 

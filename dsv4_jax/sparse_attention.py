@@ -24,8 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import sparse_attention_kernel
-from .backend import QUERY_BLOCK, Array, differentiated_as, einsum, map_query_blocks
+from . import sparse_attention_backward, sparse_attention_kernel
+from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, reference_vjp
 from .kernel_plan import AUTO, KernelPlan
 
 
@@ -126,49 +126,98 @@ def sparse_attention(
         def reference(q, pool, window_idx, sinks, entries, picks, visible):
             return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible).o
 
-        kernel = _kernel(q, entries, picks, kernels, reference)
-        if kernel is not None:
-            return AttentionOutput(differentiated_as(reference)(kernel)(q, pool, window_idx, sinks, entries, picks,
-                                                                        visible))
+        chosen = _kernel_blocks(q, entries, picks, kernels)
+        if chosen is not None:
+            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward)
+            return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible))
     return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
 
 
-def _kernel(q, entries, picks, kernels: KernelPlan, reference):
-    """``f(q, pool, window_idx, sinks, entries, picks, visible) -> o`` by `sparse_attention_kernel`
-    where the plan asks for it on these shapes, else None (the XLA path, `reference`, which has
-    the same signature).
+def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] | None:
+    """(the kernel's blocks, interpret mode) where the plan asks for `sparse_attention_kernel`
+    on these shapes, else None (the XLA path).
 
     "interpret": the kernel in interpret mode (any backend). "auto": on CUDA where it measured
     faster (`sparse_attention_kernel.default_blocks`); "pallas": on CUDA for every shape the
     Triton kernel takes; both only where a GPU is the default backend (Pallas lowers Triton
     kernels only there; a program exported for CUDA from a CPU machine keeps the XLA path),
-    chosen when the program is lowered for its platform."""
-    kernels_mod = sparse_attention_kernel
-    phase = kernels_mod.phase_of(q)
+    chosen when the program is lowered for its platform (`_by_kernel`)."""
+    phase = sparse_attention_kernel.phase_of(q)
     choice = kernels.attention(phase)
     if choice == "xla":
         return None
     kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-    table = kernels_mod.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype)
+    table = sparse_attention_kernel.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype)
     if choice == "auto" and table is None:  # not a shape the kernel measured faster on
         return None
     # The plan's blocks (A/B runs) wherever the kernel runs, else the table's, else the forced defaults.
     given = kernels.blocks(phase)
-    blocks = kernels_mod.as_blocks(given) if given is not None else table or kernels_mod.forced_blocks(phase, q.dtype)
-
-    def kernel(q, pool, window_idx, sinks, entries, picks, visible, interpret=False):
-        return kernels_mod.sparse_attention_kernel(q, pool, window_idx, sinks, entries=entries, picks=picks,
-                                                   visible=visible, interpret=interpret, **blocks)
-
+    blocks = (sparse_attention_kernel.as_blocks(given) if given is not None
+              else table or sparse_attention_kernel.forced_blocks(phase, q.dtype))
     if choice == "interpret":
-        return functools.partial(kernel, interpret=True)
-    if jax.default_backend() != "gpu" or not kernels_mod.supported_on_gpu(q, **blocks):
+        return blocks, True
+    if jax.default_backend() != "gpu" or not sparse_attention_kernel.supported_on_gpu(q, **blocks):
         return None
+    return blocks, False
 
-    def on_platform(*args):
-        return jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
 
-    return on_platform
+def _by_kernel(reference, blocks: dict, interpret: bool, backward: str):
+    """``f(q, pool, window_idx, sinks, entries, picks, visible) -> o`` by the kernel, with a
+    gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where the
+    Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels on
+    CUDA, `reference` (and its VJP) on any other platform the program is lowered for."""
+
+    def on_platform(kernel, default):
+        if interpret:
+            return kernel
+        return functools.partial(jax.lax.platform_dependent, cuda=kernel, default=default)
+
+    def forward(q, pool, window_idx, sinks, entries, picks, visible, with_lse=False):
+        return sparse_attention_kernel.sparse_attention_kernel(
+            q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible, interpret=interpret,
+            with_lse=with_lse, **blocks)
+
+    attend = on_platform(forward, reference)
+    bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,
+                      block_heads=sparse_attention_backward.BLOCK_HEADS)
+
+    def uses_backward_kernel(q):
+        return backward == "auto" and (interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks))
+
+    @jax.custom_vjp
+    def call(*args):
+        return attend(*args)
+
+    def fwd(*args):
+        if not uses_backward_kernel(args[0]):
+            return attend(*args), (args, None, None)
+
+        def reference_with_lse(*a):  # another platform's program: the reference (its VJP needs no lse)
+            return reference(*a), jnp.zeros(a[0].shape[:3], jnp.float32)
+
+        o, lse = on_platform(functools.partial(forward, with_lse=True), reference_with_lse)(*args)
+        return o, (args, o, lse)
+
+    def bwd(saved, do):
+        args, o, lse = saved
+        if lse is None:
+            return reference_vjp(reference, args, do)
+
+        def kernel_grads(q, pool, window_idx, sinks, entries, picks, visible, o, lse, do):
+            return sparse_attention_backward.sparse_attention_backward(
+                q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
+                interpret=interpret, **bwd_blocks)
+
+        def reference_grads(q, pool, window_idx, sinks, entries, picks, visible, o, lse, do):
+            dq, dpool, _, dsinks, dentries, _, _ = reference_vjp(reference, (q, pool, window_idx, sinks, entries,
+                                                                             picks, visible), do)
+            return dq, dpool, dsinks, dentries
+
+        dq, dpool, dsinks, dentries = on_platform(kernel_grads, reference_grads)(*args, o, lse, do)
+        return dq, dpool, None, dsinks, dentries, None, None
+
+    call.defvjp(fwd, bwd)
+    return call
 
 
 def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, precision,

@@ -136,7 +136,7 @@ def _pad_indices(idx: Array, block: int) -> Array:
 
 
 def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: int, n_window: int,
-            n_entries: int, dtype, finish: bool, skip_masked_blocks: bool):
+            n_entries: int, dtype, finish: bool, skip_masked_blocks: bool, with_lse: bool = False):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref = refs.pop(0) if n_entries else None
@@ -186,12 +186,14 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
         w = jnp.exp(m - top)
         den = total * w + jnp.exp(sink - top)
         out_refs[0][...] = ((acc * w[:, None]) / den[:, None]).astype(out_refs[0].dtype)
+        if with_lse:  # the softmax's log-normaliser (sink included), for the backward kernel
+            out_refs[1][...] = top + jnp.log(den)
     else:
         out_refs[0][...], out_refs[1][...], out_refs[2][...] = carry
 
 
 def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, block_keys, block_heads,
-          num_warps, num_stages, splits, interpret, skip_masked_blocks=False):
+          num_warps, num_stages, splits, interpret, skip_masked_blocks=False, with_lse=False):
     """The pallas_call over R query rows; row r reads the sources' row r // rows_per_source.
 
     q [R, H, D]; pool [R / rows_per_source, P, D] with window_idx [R, W] (-1 = no key);
@@ -199,7 +201,8 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
     sinks None: per split, the un-normalised output and its softmax statistics, acc
     [R, splits, H, D], m [R, splits, H] (-inf: the split saw no key) and total [R, splits, H]
     (the sum of exp(s - m)), all float32, for `combine`. sinks [H] (one split only): the
-    finished output [R, H, D] in q's dtype, the sink merged in the kernel.
+    finished output [R, H, D] in q's dtype, the sink merged in the kernel; `with_lse`: also
+    the log-normaliser [R, H] float32 (what the backward kernel needs).
     """
     r, h, d = q.shape
     bh = min(block_heads, h)
@@ -210,7 +213,8 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
     finish = sinks is not None
     kernel = functools.partial(_kernel, scale=d ** -0.5, block_keys=block_keys, splits=splits,
                                rows_per_source=rows_per_source, n_window=n_window, n_entries=n_entries,
-                               dtype=q.dtype, finish=finish, skip_masked_blocks=skip_masked_blocks)
+                               dtype=q.dtype, finish=finish, skip_masked_blocks=skip_masked_blocks,
+                               with_lse=with_lse)
     whole = pl.no_block_spec
     index_args = [widx] + ([eidx] if n_entries else [])
     if n_entries and skip_masked_blocks:  # [R] int32: entry blocks up to the row's last key
@@ -224,6 +228,9 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
         args.append(sinks.astype(jnp.float32))
         out_specs = pl.BlockSpec((None, bh, d), lambda i, g, s: (i, g, 0))
         out_shape = jax.ShapeDtypeStruct((r, h, d), q.dtype)
+        if with_lse:
+            out_specs = [out_specs, pl.BlockSpec((None, bh), lambda i, g, s: (i, g))]
+            out_shape = [out_shape, jax.ShapeDtypeStruct((r, h), jnp.float32)]
     else:
         out_specs = [pl.BlockSpec((None, None, bh, d), lambda i, g, s: (i, s, g, 0)),
                      pl.BlockSpec((None, None, bh), lambda i, g, s: (i, s, g)),
@@ -256,8 +263,9 @@ def default_splits(q: Array, window_idx: Array, entry_idx: Array | None, block_k
     return max(1, min(-(-n_keys // block_keys), TARGET_PROGRAMS // (r * (h // min(block_heads, h)))))
 
 
-def combine(acc: Array, m: Array, total: Array, sinks: Array, dtype) -> Array:
-    """Merge the splits and the sink: [R, splits, H, D], [R, splits, H] x2, sinks [H] -> [R, H, D].
+def combine(acc: Array, m: Array, total: Array, sinks: Array, dtype, with_lse: bool = False):
+    """Merge the splits and the sink: [R, splits, H, D], [R, splits, H] x2, sinks [H] -> [R, H, D]
+    (and, `with_lse`, the log-normaliser [R, H] float32).
 
     The sink's logit joins the softmax denominator only (its value vector is zero)."""
     sink = sinks.astype(jnp.float32)[None, :]
@@ -265,7 +273,19 @@ def combine(acc: Array, m: Array, total: Array, sinks: Array, dtype) -> Array:
     w = jnp.exp(m - top[:, None])  # [R, splits, H]; 0 for a split with no key
     num = jnp.sum(acc * w[..., None], axis=1)
     den = jnp.sum(total * w, axis=1) + jnp.exp(sink - top)
-    return (num / den[..., None]).astype(dtype)
+    o = (num / den[..., None]).astype(dtype)
+    return (o, top + jnp.log(den)) if with_lse else o
+
+
+def entry_indices(rows: int, entries: Array | None, picks: Array | None, visible: Array | None) -> Array | None:
+    """The entries each query row reads, [rows, K] int32 (-1 = none): CSA's picks, HCA's visible
+    slots ``w < visible`` (in slot order: a prefix, then -1), None without entries."""
+    if entries is None:
+        return None
+    if picks is not None:
+        return picks.reshape(rows, -1)
+    w = jnp.arange(entries.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(w < visible.reshape(rows, 1), w, -1)
 
 
 def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Array, *,
@@ -273,24 +293,21 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                             visible: Array | None = None, interpret: bool = False,
                             block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                            splits: int | None = None, skip_masked_blocks: bool = False) -> Array:
+                            splits: int | None = None, skip_masked_blocks: bool = False,
+                            with_lse: bool = False):
     """`sparse_attention` by the kernel (no attention masses): the same arguments.
 
     q [B, S, H, D], pool [B, W+S, D], window_idx [B, S, W], sinks [H]; entries [B, T, D] with
     picks [B, S, K] (CSA) or visible [B, S] (HCA: entries w < visible), or neither (sliding).
-    Returns o [B, S, H, D] in q's dtype.
+    Returns o [B, S, H, D] in q's dtype; `with_lse`: (o, lse [B, S, H] float32), lse the
+    softmax's log-normaliser over the keys and the sink (`sparse_attention_backward`'s input).
 
     skip_masked_blocks: loop over each row's entry blocks only up to its last key (-1 picks /
     invisible HCA entries after it are skipped instead of computed and masked); the loop's trip
     count becomes per row. Same result; not yet measured on the GPU, so off by default.
     """
     b, s, h, d = q.shape
-    entry_idx = None
-    if entries is not None and picks is not None:
-        entry_idx = picks.reshape(b * s, -1)
-    elif entries is not None:
-        w = jnp.arange(entries.shape[1], dtype=jnp.int32)[None, :]
-        entry_idx = jnp.where(w < visible.reshape(b * s, 1), w, -1)
+    entry_idx = entry_indices(b * s, entries, picks, visible)
     rows = q.reshape(b * s, h, d)
     widx = window_idx.reshape(b * s, -1)
     if splits is None:
@@ -298,7 +315,9 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
     blocks = dict(rows_per_source=s, block_keys=block_keys, block_heads=block_heads, num_warps=num_warps,
                   num_stages=num_stages, splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks)
     if splits == 1:
-        o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks)
+        o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks, with_lse=with_lse)
     else:
-        o = combine(*_call(rows, pool, widx, entries, entry_idx, None, **blocks), sinks, q.dtype)
+        o = combine(*_call(rows, pool, widx, entries, entry_idx, None, **blocks), sinks, q.dtype, with_lse)
+    if with_lse:
+        return o[0].reshape(b, s, h, d), o[1].reshape(b, s, h)
     return o.reshape(b, s, h, d)

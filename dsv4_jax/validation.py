@@ -139,7 +139,7 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
     The length is the host value the checks ran against (int32 NumPy [B]); the caller's host
     mirror of the new length is `cache.advance_length` of it by the real tokens per row (int32
     [B], `cache.real_tokens(positions)` as the checks found it; see `dsv4_jax.cache`)."""
-    h_shape, h_dtype = check_hidden_states(attn, hidden_states)
+    h_shape, _ = check_hidden_states(attn, hidden_states)
     batch, seq = h_shape[:2]
     p_shape, p_dtype = _shape_dtype("positions", positions)
     if not jnp.issubdtype(p_dtype, jnp.integer):
@@ -151,8 +151,7 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
         raise ValueError(
             f"hidden_states: expected batch size {cache.batch_size} (the cache's), got {batch}"
         )
-    # float64 NumPy inputs run as float32 unless jax_enable_x64 is on: promote what JAX will see.
-    spec = attn.step_spec(jax.dtypes.canonicalize_dtype(h_dtype), return_intermediates)
+    spec = attn.step_spec(return_intermediates)
     if jnp.dtype(cache.dtype) != spec.dtype:
         raise TypeError(
             f"cache: expected dtype {spec.dtype} (the layer's compute dtype), "

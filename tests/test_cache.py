@@ -74,7 +74,7 @@ def test_length_is_the_steps_and_the_eager_call_keeps_a_host_mirror():
     pos = np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5))
     cache = attn.init_cache(2, 16)
     _, eager = attn(x, pos, cache)
-    _, stepped, _ = step_function(False)(attn.weights(), cache, x, pos, spec=attn.step_spec(x.dtype))
+    _, stepped, _ = step_function(False)(attn.weights(), cache, x, pos, spec=attn.step_spec())
     assert isinstance(eager.length, np.ndarray) and eager.length.dtype == np.int32
     assert isinstance(stepped.length, jax.Array) and eager.length.tolist() == [5, 5]
     np.testing.assert_array_equal(eager.length, np.asarray(stepped.length))

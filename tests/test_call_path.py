@@ -276,7 +276,7 @@ def test_a_changed_break_mode_runs_its_own_step(monkeypatch):
     assert traced, "the call after break_mode='wide' did not run the wide step"
     np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
     entries = attention._CALLS[attn].entries
-    assert {spec.break_mode for spec, _ in entries.values()} == {"wide"}
+    assert {spec.plan.mode for spec, _ in entries.values()} == {"wide"}
 
 
 @pytest.mark.parametrize("how", ["set_value", "new_variable", "submodule_value", "nnx_update"])

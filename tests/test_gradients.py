@@ -167,3 +167,38 @@ def test_a_changed_plan_compiles_its_own_program(monkeypatch):
     attn.kernels = "xla"
     again, _ = attn(x, None, cache)
     assert not traced and np.array_equal(np.asarray(again), np.asarray(want))
+
+
+ON_GPU = jax.default_backend() == "gpu"
+# Shapes the Triton kernels take (every dot dimension >= 16): 16 heads of 64, a window of 32.
+TRITON_CFG = dsv4_jax.DeepseekV4Config.tiny(num_attention_heads=16, head_dim=64, qk_rope_head_dim=16, o_groups=4,
+                                             sliding_window=32, index_topk=16)
+
+
+def _triton_grads(layer: int, kernels, device=None):
+    """value_and_grad of a 300-token prefill (>= 256 queries: the prefill kernel) plus a decode
+    step (the decode kernels), float32, on `device` (default: the default device)."""
+    attn = random_layer(TRITON_CFG, layer, seed=11, break_mode="none", kernels=kernels, dtype=jnp.float32)
+    rng = np.random.default_rng(12)
+    hidden = np.asarray(rng.normal(size=(1, 301, TRITON_CFG.hidden_size)), np.float32)
+    cache = attn.init_cache(1, 320).replace(layer_idx=-1)
+    args = (attn.weights(), hidden, cache.replace(length=np.asarray(cache.length)))
+    args = jax.device_put(args, device)
+
+    def loss(weights, hidden, cache):
+        out1, cache, _ = attention_step(weights, cache, hidden[:, :300], None, attn.step_spec())
+        out2, _, _ = attention_step(weights, cache, hidden[:, 300:], None, attn.step_spec())
+        return jnp.mean(out1 ** 2) + jnp.mean(out2 ** 2)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernels need CUDA")
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_gpu_gradients_with_the_triton_kernels_equal_the_cpu_reference(layer):
+    """On the GPU with the Triton kernels forced for prefill and decode (and the native
+    selection where built), float32 gradients equal the CPU's XLA reference gradients (rel 1e-4)."""
+    pallas = KernelPlan(decode_attention="pallas", prefill_attention="pallas", compress="pallas")
+    got = _triton_grads(layer, pallas)
+    want = _triton_grads(layer, "xla", jax.devices("cpu")[0])
+    assert_same_gradients(jax.device_get(got), jax.device_get(want), rtol=1e-4)

@@ -181,7 +181,7 @@ def layer_run():
     x = np.random.default_rng(0).standard_normal((BATCH, N, TINY.hidden_size)).astype(np.float32)
     positions = np.broadcast_to(np.arange(N, dtype=np.int32), (BATCH, N))
     cache = attn.init_cache(BATCH, MAX_LEN)
-    spec = attn.step_spec(jnp.float32, return_intermediates=True)
+    spec = attn.step_spec(return_intermediates=True)
     return attn, x, positions, cache, spec
 
 

@@ -111,7 +111,7 @@ def test_off_is_a_separate_smaller_step(tiny_layers, layer_type, break_mode):
     # custom call returns the scores in both steps, and the default step discards them).
     attn.break_mode, attn.break_on = break_mode, "host"
     try:
-        spec_off, spec_on = attn.step_spec(x.dtype, False), attn.step_spec(x.dtype, True)
+        spec_off, spec_on = attn.step_spec(False), attn.step_spec(True)
     finally:
         attn.break_mode, attn.break_on = "narrow", "auto"
     assert spec_off != spec_on and not spec_off.return_intermediates  # two compiled steps

@@ -188,7 +188,7 @@ def test_gradients_through_the_device_break_equal_none():
                          "narrow-device": dict(break_mode="narrow", break_on="device"),
                          "narrow-host": dict(break_mode="narrow", break_on="host")}.items():
         attn = random_layer(cfg, 1, seed=3, **kwargs)
-        spec = attn.step_spec(x.dtype)
+        spec = attn.step_spec()
         cache = attn.init_cache(1, 21)
 
         def loss(weights, attn=attn, spec=spec, cache=cache):
@@ -208,7 +208,7 @@ def test_wide_break_refuses_differentiation():
     attn = random_layer(cfg, 2, seed=3, break_mode="wide")
     x = jnp.ones((1, 9, cfg.hidden_size), jnp.float32)
     pos = jnp.arange(9, dtype=jnp.int32)[None]
-    spec, cache = attn.step_spec(x.dtype), attn.init_cache(1, 9)
+    spec, cache = attn.step_spec(), attn.init_cache(1, 9)
     with pytest.raises(ValueError, match=r"break_mode: 'wide' cannot be differentiated.*'none' or 'narrow'"):
         jax.grad(lambda w: jnp.sum(dsv4_jax.attention_step(w, cache, x, pos, spec)[0]))(attn.weights())
 

@@ -35,19 +35,22 @@ def test_stack_interleaves_the_configs_layer_types():
         stack.stack_layer_indices(cfg, "hca", 99)
 
 
-def test_prefill_blocks_reach_every_prefill_the_kernel_runs(monkeypatch):
-    """`--prefill-blocks` A/B runs: the blocks replace the CUDA default table's prefill entries
-    too (a forced kernel's blocks alone would not reach a shape the table covers)."""
-    from dsv4_jax import sparse_attention_kernel as sak
+def test_the_command_lines_kernel_switches_become_the_layers_plan():
+    """A/B runs: the switches change the mode's `KernelPlan` (in each layer's static step
+    identity), not module globals; --prefill-blocks reaches every prefill the kernel runs."""
+    from dsv4_jax import KernelPlan
 
-    monkeypatch.setattr(sak, "CUDA_DEFAULT_BLOCKS", dict(sak.CUDA_DEFAULT_BLOCKS))
-    monkeypatch.setattr(sak, "FORCED_BLOCKS", dict(sak.FORCED_BLOCKS))
-    stack.apply_kernel_switches(stack.build_parser().parse_args(["--prefill-blocks", "32,64,4,2,0"]))
-    want = {"block_keys": 32, "block_heads": 64, "num_warps": 4, "num_stages": 2, "skip_masked_blocks": False}
-    assert sak.default_blocks("csa", 1, "prefill", 4096) == want
-    assert sak.default_blocks("hca", 1, "prefill", 4096) == want
-    assert sak.forced_blocks("prefill") == want
-    assert sak.default_blocks("csa", 1) != want  # decode keeps its blocks
+    args = stack.build_parser().parse_args(["--prefill-blocks", "32,64,4,2,0", "--no-compress-kernel",
+                                            "--decode-kernel"])
+    assert stack.kernel_plan(args) == KernelPlan(decode_attention="pallas", compress="xla",
+                                                 prefill_blocks=(32, 64, 4, 2, 0))
+    assert stack.kernel_plan(args, "xla") == KernelPlan(select="xla", decode_attention="pallas",
+                                                        prefill_attention="xla", compress="xla",
+                                                        attention_backward="xla", prefill_blocks=(32, 64, 4, 2, 0))
+    cfg = stack.stack_config("tiny", 2)
+    st = stack.Stack(cfg, "csa", 1, "float32", 0, "none", kernel_args=args)
+    assert st.layers[0].kernels == stack.kernel_plan(args, "auto")
+    assert st.specs[0].plan.kernels.prefill_blocks == (32, 64, 4, 2, 0)
 
 
 # Through bench/run.py: the stack scenarios are handed to bench/stack.py.

@@ -1,0 +1,168 @@
+"""The backward pass of sparse attention as one Pallas kernel (issue 28: training on the GPU).
+
+XLA's gradient of the gather-based forward (`sparse_attention._xla_path`) scatters each
+query's key gradients back over the gathered window and entries: [B, s, W + K, D] updates per
+query block, onto the few keys many queries share, which XLA:GPU runs as contended scatters
+(CSA 4k prefill on the H200: the backward 18x the forward). Here the backward reads each key
+by index again, as the forward kernel does, and adds its gradient into a float32 accumulator
+by atomic adds:
+
+    grid (R, H / bh); program (r, g) owns heads g*bh .. g*bh+bh-1 of query row r
+    q, do  [bh, D]        the queries and the output's cotangent
+    lse    [bh]           the forward's log-normaliser (keys and sink), `delta` = sum(do * o)
+    per key block:
+      k    [bk, D]        `src[r // S, idx]`, gathered by index (K = V: each key is its own value)
+      p    [bh, bk]       exp(round(q k) * scale - lse), 0 where idx = -1
+      ds   [bh, bk]       p * (do k - delta)                    (the logits' cotangent)
+      dq  += ds k * scale                                       [bh, D], float32, written once
+      dk   = (ds * scale) q + p do                             [bk, D], atomically added at idx
+    the sink:  dsink = -sum_rows exp(sink - lse) * delta        (an XLA reduction outside)
+
+R = B * S query rows; row r reads the sources of batch row r // S. A key's gradient gets the
+two contributions of K = V (through the logits and through the values). Rows past a row's
+last entry block with a key are skipped (HCA's visible prefix, a prompt's early queries).
+
+Numerics follow the reference's VJP up to the order of float32 sums and where it rounds the
+logits' and values' cotangents to the compute dtype (here they stay float32): float32 equals
+the XLA VJP within ~1e-5 (`tests/test_sparse_attention_backward.py`); bf16 within bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .backend import Array
+from .sparse_attention_kernel import _pad_indices, entry_indices
+
+# bh x D float32 for dq plus bh x D for q and do, per program: 32 x 512 keeps them in registers
+# at V4-Flash's head_dim (64 heads a program would spill). Triton's dots need dimensions >= 16.
+BLOCK_KEYS = 32
+BLOCK_HEADS = 32
+NUM_WARPS = 8
+NUM_STAGES = 1
+
+
+def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
+                dtype, trash_pool: int, trash_entries: int):
+    refs = list(refs)
+    widx_ref = refs.pop(0)
+    eidx_ref, eblocks_ref = (refs.pop(0), refs.pop(0)) if n_entries else (None, None)
+    q_ref, do_ref, lse_ref, delta_ref, pool_ref = refs[:5]
+    ents_ref = refs[5] if n_entries else None
+    refs = refs[6 if n_entries else 5:]
+    refs = refs[2 if n_entries else 1:]  # the aliased zero accumulators' input refs
+    dq_ref, dpool_ref = refs[0], refs[1]
+    dents_ref = refs[2] if n_entries else None
+
+    r = pl.program_id(0)
+    src = r // rows_per_source
+    q, do = q_ref[...], do_ref[...]  # [bh, D]
+    lse, delta = lse_ref[...], delta_ref[...]  # [bh] float32
+    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    cols = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+
+    def dot(a, b, contract):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=exact, preferred_element_type=jnp.float32)
+
+    def key_block(src_ref, idx_ref, grad_ref, trash, blk, dq):
+        idx = idx_ref[r, pl.ds(blk * block_keys, block_keys)]  # [bk]
+        k = src_ref[src, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D]
+        s = (dot(q, k, ((1,), (1,))).astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+        p = jnp.where((idx >= 0)[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [bh, bk]
+        ds = p * (dot(do, k, ((1,), (1,))) - delta[:, None])
+        ds_scaled = (ds * scale).astype(dtype)
+        dq = dq + dot(ds_scaled, k, ((1,), (0,)))
+        dk = dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
+        # Keys a program does not have (-1) add into a trash row past the sources' rows.
+        rows = jnp.broadcast_to(jnp.where(idx >= 0, idx, trash)[:, None], dk.shape)
+        _atomic_add(grad_ref, (src, rows, jnp.broadcast_to(cols, dk.shape)), dk)
+        return dq
+
+    def loop(src_ref, idx_ref, grad_ref, trash, n_blocks, dq):
+        return jax.lax.fori_loop(0, n_blocks, lambda i, c: key_block(src_ref, idx_ref, grad_ref, trash, i, c), dq)
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = loop(pool_ref, widx_ref, dpool_ref, trash_pool, n_window, dq)
+    if n_entries:
+        dq = loop(ents_ref, eidx_ref, dents_ref, trash_entries, eblocks_ref[r], dq)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _atomic_add(ref, idx, values):
+    from jax.experimental.pallas import triton as pl_triton
+
+    pl_triton.atomic_add(ref, idx, values)
+
+
+def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: Array, o: Array, lse: Array,
+                              do: Array, *, entries: Array | None = None, picks: Array | None = None,
+                              visible: Array | None = None, interpret: bool = False,
+                              block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
+                              num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
+    """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
+
+    q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
+    picks [B, S, K] or visible [B, S] (or none): the forward's arguments; o [B, S, H, D] and
+    lse [B, S, H] float32 its output and log-normaliser (`sparse_attention_kernel(...,
+    with_lse=True)`); do [B, S, H, D] the output's cotangent. Returns dq [B, S, H, D] (q's
+    dtype), dpool [B, P, D] (pool's dtype), dsinks [H] float32, dentries [B, T, D] or None.
+    """
+    b, s, h, d = q.shape
+    rows = b * s
+    bh = min(block_heads, h)
+    dtype = q.dtype
+    widx = _pad_indices(window_idx.reshape(rows, -1).astype(jnp.int32), block_keys)
+    eidx = entry_indices(rows, entries, picks, visible)
+    n_entries = 0
+    index_args = [widx]
+    if eidx is not None:
+        eidx = _pad_indices(eidx.astype(jnp.int32), block_keys)
+        n_entries = eidx.shape[1] // block_keys
+        # [R] int32: entry blocks up to the row's last key (HCA: the visible prefix)
+        last = jnp.max(jnp.where(eidx >= 0, jnp.arange(1, eidx.shape[1] + 1, dtype=jnp.int32), 0), axis=1)
+        index_args += [eidx, (last + block_keys - 1) // block_keys]
+    q_rows, do_rows = q.reshape(rows, h, d), do.astype(dtype).reshape(rows, h, d)
+    lse_rows = lse.reshape(rows, h).astype(jnp.float32)
+    delta = jnp.sum(do_rows.astype(jnp.float32) * o.reshape(rows, h, d).astype(jnp.float32), axis=-1)  # [R, H]
+    # float32 accumulators with one trash row each (keys a program does not have), zeros in.
+    dpool0 = jnp.zeros((pool.shape[0], pool.shape[1] + 1, d), jnp.float32)
+    dents0 = None if eidx is None else jnp.zeros((entries.shape[0], entries.shape[1] + 1, d), jnp.float32)
+
+    kernel = functools.partial(_bwd_kernel, scale=d ** -0.5, block_keys=block_keys, rows_per_source=s,
+                               n_window=widx.shape[1] // block_keys, n_entries=n_entries, dtype=dtype,
+                               trash_pool=pool.shape[1], trash_entries=0 if eidx is None else entries.shape[1])
+    whole = pl.no_block_spec
+    per_head = pl.BlockSpec((None, bh, d), lambda i, g: (i, g, 0))
+    per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (i, g))
+    sources = [pool] + ([entries] if eidx is not None else [])
+    accumulators = [dpool0] + ([dents0] if eidx is not None else [])
+    args = [*index_args, q_rows, do_rows, lse_rows, delta, *sources, *accumulators]
+    in_specs = ([whole] * len(index_args) + [per_head, per_head, per_head_stat, per_head_stat]
+                + [whole] * (len(sources) + len(accumulators)))
+    first_acc = len(args) - len(accumulators)
+    out_shape = [jax.ShapeDtypeStruct((rows, h, d), dtype), *(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                                              for a in accumulators)]
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    dq, dpool, *dents = pl.pallas_call(
+        kernel,
+        grid=(rows, h // bh),
+        in_specs=in_specs,
+        out_specs=[per_head] + [whole] * len(accumulators),
+        out_shape=out_shape,
+        input_output_aliases={first_acc + i: 1 + i for i in range(len(accumulators))},
+        interpret=interpret,
+        name="sparse_attention_backward",
+        **extra,
+    )(*args)
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
+    dsinks = -jnp.sum(p_sink * delta, axis=0)
+    dentries = None if eidx is None else dents[0][:, :-1].astype(entries.dtype)
+    return dq.reshape(b, s, h, d), dpool[:, :-1].astype(pool.dtype), dsinks, dentries

@@ -1,0 +1,100 @@
+"""The sparse attention backward kernel against the XLA path's VJP (`sparse_attention._xla_path`).
+
+On the CPU the kernel runs in Pallas' interpret mode; on CUDA the Triton kernel itself (the GPU
+tests, skipped elsewhere), at V4-Flash sizes. The cotangents of the queries, the key pool, the
+sinks and the entries: float32 within 1e-5 of the XLA VJP; bf16 reported against float32 next
+to the XLA VJP's own bf16 error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sparse_attention_kernel import ON_GPU, XLA, query_inputs
+
+from dsv4_jax import KernelPlan
+from dsv4_jax import sparse_attention as sa
+from dsv4_jax import sparse_attention_backward as sab
+from dsv4_jax import sparse_attention_kernel as sak
+
+
+def xla_vjp(q, pool, widx, sinks, kwargs, do):
+    """The XLA path's cotangents (q, pool, sinks, entries or None), float32 at HIGHEST."""
+    def f(q, pool, sinks, entries):
+        kw = dict(kwargs, entries=entries) if entries is not None else kwargs
+        return sa.sparse_attention(q, pool, widx, sinks, **kw, precision=jax.lax.Precision.HIGHEST, kernels=XLA).o
+
+    _, vjp = jax.vjp(f, q, pool, sinks, kwargs.get("entries"))
+    return vjp(do)
+
+
+def kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret, **blocks):
+    o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kwargs, interpret=interpret, with_lse=True)
+    dq, dpool, dsinks, dentries = sab.sparse_attention_backward(q, pool, widx, sinks, o, lse, do, **kwargs,
+                                                                interpret=interpret, **blocks)
+    return dq, dpool, dsinks, dentries
+
+
+def assert_close(got, want, rtol):
+    for name, g, w in zip(("dq", "dpool", "dsinks", "dentries"), got, want):
+        if w is None:
+            assert g is None, name
+            continue
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * np.abs(w).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+@pytest.mark.parametrize("s", [1, 5], ids=["decode", "prefill"])
+@pytest.mark.parametrize("blocks", [dict(block_keys=4, block_heads=2), dict(block_keys=8, block_heads=4)])
+def test_backward_kernel_equals_the_xla_vjp_in_float32(kind, s, blocks):
+    # Window 12 in blocks of 4 or 8 (padded), 13 entries, some picks -1, rows at position 0..
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=3, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32, s=s)
+    do = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+    got = kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret=True, **blocks)
+    assert_close(got, xla_vjp(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
+
+
+def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
+    """`KernelPlan.attention_backward`: "auto" (the backward kernel) and "xla" (the reference's
+    VJP) give the same gradients of `sparse_attention` with the forward kernel."""
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=20, k=6, dtype=jnp.float32, s=7)
+
+    def grads(backward):
+        plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1), attention_backward=backward)
+
+        def loss(q, pool, sinks, entries):
+            o = sa.sparse_attention(q, pool, widx, sinks, **dict(kwargs, entries=entries), kernels=plan,
+                                    precision=jax.lax.Precision.HIGHEST).o
+            return jnp.sum(jnp.sin(o))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, pool, sinks, kwargs["entries"])
+
+    assert_close(grads("auto"), grads("xla"), rtol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+@pytest.mark.parametrize("b, s", [(1, 1), (4, 1), (1, 256)], ids=["decode1", "decode4", "prefill"])
+def test_triton_backward_at_flash_sizes(kind, b, s):
+    """V4-Flash shapes (64 heads of 512, window 128, top-512 of 4k entries or 129 HCA entries):
+    float32 against the XLA VJP; bf16 against float32, beside the XLA VJP's own bf16 error."""
+    t = 4096 if kind == "csa" else 129
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32, s=s)
+    do = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+    want = xla_vjp(q, pool, widx, sinks, kwargs, do)
+    assert_close(kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret=False), want, rtol=1e-4)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    kw16 = {n: (bf(v) if n == "entries" else v) for n, v in kwargs.items()}
+    got16 = kernel_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do), interpret=False)
+    xla16 = xla_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do))
+    for name, g, x, w in zip(("dq", "dpool", "dsinks", "dentries"), got16, xla16, want):
+        if w is None:
+            continue
+        scale = float(np.abs(np.asarray(w, np.float32)).max())
+        kernel_err = float(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)).max()) / scale
+        xla_err = float(np.abs(np.asarray(x, np.float32) - np.asarray(w, np.float32)).max()) / scale
+        print(f"bf16 backward {kind} B={b} S={s} {name}: kernel {kernel_err:.2e}, XLA VJP {xla_err:.2e}")
+        assert kernel_err <= max(2 * xla_err, 2 ** -6)
