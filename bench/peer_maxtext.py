@@ -129,15 +129,16 @@ def maxtext_config(cfg, size: str, *, batch: int, prefill_len: int, max_target: 
 # ---------------------------------------------------------------------------- one program
 class Program:
     """MaxText's layer for one (layer type, batch, prefill length, max target) with our weights,
-    split into (params, cache, rest) and its prefill / decode steps compiled ahead of time."""
+    split into (params, cache, rest) and its prefill / decode steps compiled ahead of time.
+    ``train=True``: the layer in MaxText's training mode (no caches), for `compile_train`."""
 
     def __init__(self, cfg, size: str, layer_type: str, ours_attn, *, batch: int, prefill_len: int, max_target: int,
-                 dtype: str, attention: str = "dot_product"):
+                 dtype: str, attention: str = "dot_product", train: bool = False):
         import jax
         import jax.numpy as jnp
         from flax import nnx
         from jax.sharding import Mesh
-        from maxtext.common.common_types import MODEL_MODE_PREFILL, AttentionType
+        from maxtext.common.common_types import MODEL_MODE_PREFILL, MODEL_MODE_TRAIN, AttentionType
         from maxtext.layers.attention_compressed import CompressedAttention
 
         from bench import maxtext_map
@@ -156,7 +157,7 @@ class Program:
             attention_kernel=mt.attention, attention_type=AttentionType(mt.attention_type), inputs_q_shape=shape,
             inputs_kv_shape=shape, dtype=self.dtype, weight_dtype=self.dtype,
             sliding_window_size=mt.sliding_window_size, q_lora_rank=mt.q_lora_rank,
-            compress_ratio=cfg.compress_rate(layer_type), model_mode=MODEL_MODE_PREFILL,
+            compress_ratio=cfg.compress_rate(layer_type), model_mode=MODEL_MODE_TRAIN if train else MODEL_MODE_PREFILL,
             rngs=nnx.Rngs(0),
         )
         flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
@@ -194,6 +195,38 @@ class Program:
 
     def __call__(self, mode: str, cache, x, pos):
         return self.compiled[mode](self.params, cache, self.rest, x, pos)
+
+    def train_loss(self):
+        """``loss(params, x, cache, rest, pos)``: bench/train.py's loss of one layer, mean((x + layer(x)) ** 2)
+        in float32, the layer called in MaxText's training mode (a `Program` built with ``train=True``)."""
+        from maxtext.common.common_types import MODEL_MODE_TRAIN
+
+        jnp, nnx, graphdef = self.jnp, self.nnx, self.graphdef
+
+        def loss(params, x, cache, rest, pos):
+            m = nnx.merge(graphdef, params, cache, rest)
+            out, _ = m(x, x, jnp.ones(pos.shape, jnp.int32), pos, deterministic=True, model_mode=MODEL_MODE_TRAIN)
+            return jnp.mean(jnp.square((x + out).astype(jnp.float32)))
+
+        return loss
+
+    def compile_train(self, seq: int) -> dict:
+        """Lower + compile ``fwd`` (the loss) and ``fwd_bwd`` (its value_and_grad w.r.t. the parameters
+        and x) for `seq` tokens a row; returns the seconds each took."""
+        jax, jnp = self.jax, self.jnp
+        x = jax.ShapeDtypeStruct((self.batch, seq, self.mt_config.emb_dim), self.dtype)
+        pos = jax.ShapeDtypeStruct((self.batch, seq), jnp.int32)
+        loss = self.train_loss()
+        seconds = {}
+        for name, fn in (("fwd", loss), ("fwd_bwd", jax.value_and_grad(loss, argnums=(0, 1)))):
+            t0 = time.perf_counter()
+            self.compiled[name] = jax.jit(fn).lower(self.params, x, self.cache0, self.rest, pos).compile()
+            seconds[name] = time.perf_counter() - t0
+            self.memory[name] = memory_bytes(self.compiled[name])
+        return seconds
+
+    def train_call(self, name: str, x, pos):
+        return self.compiled[name](self.params, x, self.cache0, self.rest, pos)
 
     def picks(self, x, pos):
         """The CSA indexer's picks [B, S, k] of a prefill (its public submodule called on the same
@@ -356,6 +389,55 @@ class MaxTextPeer:
         if want_picks and case.scenario == "prefill":
             res["picks"] = prog.picks(x_pre_d, pos_pre_d)
         return res
+
+
+# ---------------------------------------------------------------------------- training
+def time_train(cfg, size: str, layer_type: str, ours_attn, *, batch: int, seq: int, dtype: str, repeats: int,
+               seed: int = 0, mem_gb: float | None = None) -> dict:
+    """MaxText's one-layer training step with our weights, bench/train.py's protocol: its loss
+    (``fwd``) and ``value_and_grad`` w.r.t. its parameters and x (``fwd_bwd``), each compiled
+    ahead of time, then the median ms of `repeats` blocked calls after a warm-up call.
+
+    Returns ``{"layer_type", "fwd_ms", "fwd_bwd_ms", "compile_s" (fwd+bwd's), "peak_gb" (XLA's
+    memory analysis of fwd+bwd)}``, or ``{"layer_type", "error"}`` where it does not run: its dense
+    ``[B, H, S, S + S/m]`` logits alone exceed the memory it may use (`MaxTextPeer.memory_limit`),
+    the compiled program's analysis does, or it fails (the message's first line)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4_jax.config import CSA
+
+    out = {"layer_type": layer_type}
+    try:
+        platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+        limits = MaxTextPeer(cfg, size, "csa" if layer_type == CSA else "hca", ours_attn, dtype, platform, mem_gb)
+        limit, low = limits.memory_limit(), limits.logits_bytes(batch, seq)
+        if low > limit:
+            return {**out, "error": f"memory: dense [B, H, S, S+C] logits alone {low / 1e9:.3g} GB > "
+                                    f"{limit / 1e9:.3g} GB available"}
+        prog = Program(cfg, size, layer_type, ours_attn, batch=batch, prefill_len=seq, max_target=seq + 1,
+                       dtype=dtype, train=True)
+        out["compile_s"] = prog.compile_train(seq)["fwd_bwd"]
+        peak = prog.memory["fwd_bwd"].get("total")
+        out["peak_gb"] = None if peak is None else peak / 1e9
+        if peak is not None and peak > limit:
+            return {**out, "error": f"memory: the compiled fwd+bwd needs {peak / 1e9:.3g} GB (XLA memory analysis) "
+                                    f"> {limit / 1e9:.3g} GB available"}
+        rng = np.random.default_rng(seed)
+        x = jnp.asarray(rng.standard_normal((batch, seq, cfg.hidden_size), dtype=np.float32)).astype(prog.dtype)
+        pos = jnp.asarray(np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)))
+        for name in ("fwd", "fwd_bwd"):
+            jax.block_until_ready(prog.train_call(name, x, pos))  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(prog.train_call(name, x, pos))
+                times.append(time.perf_counter() - t0)
+            out[f"{name}_ms"] = 1e3 * float(np.median(times))
+    except Exception as err:  # where MaxText stops is the record
+        text = str(err).strip().splitlines()
+        out["error"] = f"{type(err).__name__}: {text[0][:300] if text else ''}"
+    return out
 
 
 # ---------------------------------------------------------------------------- agreement

@@ -86,7 +86,7 @@ def test_a_decode_step_copies_no_compressor_state(m, overlap, batch):
     # optimized program, with the state donated as in a serving step, copies none of the
     # state. (Reading the old buffers and a separate CSA overlap while writing them cost two
     # copies of each buffer and one of each overlap array, on the CPU and at B = 1 on the H200:
-    # docs/DEVELOPING.md.) The same function as every decode step runs.
+    # docs/journal/DEVELOPING_performance_log_2026-11-30_to_2026-12-02.md.) The same function as every decode step runs.
     dim = 16
     width = 2 * dim if overlap else dim
     kw = dict(position_bias=jnp.zeros((m, width), jnp.float32), kv_norm=jnp.ones((dim,), jnp.float32), ratio=m,

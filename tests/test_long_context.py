@@ -195,10 +195,10 @@ def test_auto_chunk_size_fits_the_budget_and_prefills_alike():
     with pytest.raises(ValueError, match=r"memory_bytes: expected at least [\d,]+ bytes \(a prefill chunk of 8 "
                                          r"tokens.* of HCA layers at batch 2, max_seq_len 64, float32\), got "):
         long_context.prefill(attn, x, cache, memory_bytes=kept + need(8) - 1)
-    with pytest.raises(ValueError) as err:  # the README's misuse row quotes this message
+    with pytest.raises(ValueError) as err:  # the misuse table (docs/misuse.md) quotes this message
         long_context.prefill_chunk_size(CFG, HCA, BATCH, need(8) - 1, jnp.float32, max_seq_len=MAX_LEN,
                                         query_block=QUERY_BLOCK)
-    assert f"`{err.value}`" in (ROOT / "README.md").read_text()
+    assert f"`{err.value}`" in (ROOT / "docs" / "misuse.md").read_text()
 
 
 def test_chunk_size_is_monotone_in_memory_and_a_multiple():
@@ -269,17 +269,10 @@ def test_cache_bytes_per_token_from_the_real_leaves():
         CFG, CSA, MAX_LEN, batch=BATCH, dtype=jnp.float32)
 
 
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end]
-
-
-def test_the_readme_figures_are_computed():
-    """The README's "Long context" tables are what the functions compute (regenerate with
+def test_the_documented_figures_are_computed():
+    """The tables of docs/long_context.md are what the functions compute (regenerate with
     ``python -m dsv4_jax.long_context``)."""
-    section = _readme_section("Long context")
+    section = (ROOT / "docs" / "long_context.md").read_text()
     for block in long_context.readme_tables():
         assert block in section, block
 

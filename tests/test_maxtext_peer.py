@@ -3,7 +3,8 @@ map (`bench/maxtext_map.py`) and what MaxText computes against ours and the HF r
 
 The MaxText tests skip, with the reason, where maxtext is not installed (as in CI): it is the
 optional ``[peers]`` extra (Python >= 3.12, jax >= 0.11). What they pin down (numbers in
-`bench/RESULTS.md`, "MaxText peer"):
+bench/RESULTS.md and, with how they were reached, docs/journal/RESULTS_2026-11-30_to_2026-12-02.md,
+"MaxText peer"):
 
 * with our weights, MaxText's prefill equals ours (and so the reference) up to float32 noise
   once the compressed rope's YaRN is off: maxtext 0.2.5 applies no YaRN there, and that alone is

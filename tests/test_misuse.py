@@ -1,6 +1,6 @@
 """Misuse: every bad input is refused with a clear error, and the cache stays usable.
 
-Each rejected call names the argument, what was expected and what came (the README's misuse table has
+Each rejected call names the argument, what was expected and what came (docs/misuse.md has
 the table). After a rejection the next valid call on the same cache must reproduce the
 recorded HF output, which shows that nothing of the rejected call reached the cache.
 """

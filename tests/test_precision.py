@@ -55,7 +55,7 @@ def test_bf16_keeps_the_float32_islands():
 
 
 def test_bf16_layer_takes_float32_inputs_with_the_default_cache():
-    """The README's bf16 recipe as typed: ``param_dtype=jnp.bfloat16``, ``dtype=None``, float32
+    """docs/use.md's bf16 recipe as typed: ``param_dtype=jnp.bfloat16``, ``dtype=None``, float32
     inputs, the default ``init_cache``. The layer computes in its own dtype (bf16): float32
     inputs are cast, so the result is the bf16-input result, bit for bit."""
     from dsv4_jax import DeepseekV4Attention, DeepseekV4Config

@@ -1,0 +1,243 @@
+"""bench/RESULTS.md: where the package stands now, generated from the records it cites.
+
+    python bench/results_table.py            # print the page
+    python bench/results_table.py --write    # write bench/RESULTS.md
+
+`SOURCES` is the list of cited records (each a JSON file under bench/results/ with the command,
+the machine and the commit that added it); every figure of the page is read from one of them by
+the extractor named in its entry, nothing typed in by hand. To move a figure forward, add the new
+record, point its entry (or a new one) at it, and write the page; `tests/test_results_table.py`
+checks that the committed page is this script's output. The sections from "## Training (issue 28)"
+on are written by hand and kept as they are by `--write`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "bench" / "RESULTS.md"
+H200 = "1x NVIDIA H200 (`nvidia-h200`), jax 0.11.2, Python 3.12.3"
+H200X2 = "2x NVIDIA H200, NVLink (`nvidia-h200-x2`), jax 0.11.2, Python 3.12.3"
+CPU = "2-core shared dev box (CPU), jax 0.10.2, Python 3.11"
+
+Row = tuple[str, str, str]  # case, figure, note
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1024}k"
+
+
+def stack(records: list[dict]) -> Iterator[Row]:
+    """bench/stack.py: ms a layer of a stack of 4 in one jit, x its floor; the module call."""
+    for r in records:
+        if r.get("scenario") == "stack_decode" and not r.get("error"):
+            yield (f"decode, {r['stack']} x{r['n_layers']}, B = {r['batch']}, {_ctx(r['context_len'])}",
+                   f"{r['per_layer_ms']:.3f} ms a layer ({r['ratio_to_floor']:.2f}x the bytes floor)",
+                   f"host {r['host_dispatch_ms']:.2f} ms a step" if r.get("host_dispatch_ms") else "")
+    for r in records:
+        if r.get("scenario") == "stack_prefill" and not r.get("error"):
+            yield (f"prefill, {r['stack']} x{r['n_layers']}, B = {r['batch']}, {_ctx(r['prompt_len'])}",
+                   f"{r['per_layer_ms']:.3f} ms a layer ({r['ratio_to_floor']:.2f}x the FLOP floor)", "")
+    for r in records:
+        if r.get("scenario") == "call_overhead":
+            yield (f"module call, {r['size']} {r['layer_type']} decode, B = {r['batch']}",
+                   f"jitted step {r['jit_step_ms']:.3f} ms; the call: check_finite=True "
+                   f"{r['module_call_ms']:.3f}, \"host\" {r['module_call_host_check_ms']:.3f}, False "
+                   f"{r['module_call_no_check_ms']:.3f} ms",
+                   "the default check reads a device verdict (a sync)")
+
+
+def break_modes(records: list[dict]) -> Iterator[Row]:
+    """bench/run.py without peers: the compiled step of each mode, and its ratio to `none`'s."""
+    none = {(r["scenario"], r["batch"]): r for r in records if r["mode"] == "none" and not r.get("error")}
+    for r in records:
+        if r["mode"] == "none" or r.get("error") or r.get("skipped"):
+            continue
+        base = none.get((r["scenario"], r["batch"]))
+        step = r.get("raw_step_ms_median") or r["decode_ms_median"]
+        case = "PR-like decode" if r["scenario"] == "decode_pr" else f"decode at {_ctx(r['context_len'])}"
+        ratio = f" ({step / (base.get('raw_step_ms_median') or base['decode_ms_median']):.2f}x none)" if base else ""
+        kind = "compiled step" if r.get("raw_step_ms_median") else "module call"
+        yield (f"{r['layer_type']} {case}, B = {r['batch']}, {r['mode']}", f"{step:.3f} ms a step{ratio}", kind)
+
+
+def topk(records: list[dict]) -> Iterator[Row]:
+    """bench/topk.py --device-time: kernel time per operation, native (graph) against XLA."""
+    xla = {}
+    for r in records:
+        key = (r["case"], r.get("rows"), r.get("batch"), r["slots"])
+        if r["variant"].startswith("xla"):
+            xla[key] = r["device_us_per_op"]
+    for r in records:
+        key = (r["case"], r.get("rows"), r.get("batch"), r["slots"])
+        if r["variant"] == "native-graph" and key in xla:
+            shape = (f"{r['rows']} x {r['slots']}" if r["case"] == "topk"
+                     else f"scoring + top-k, B = {r['batch']}, T = {r['slots']}")
+            yield (f"{r['case']} {shape}, k = {r['top_k']}",
+                   f"{r['device_us_per_op']:.1f} us (XLA {xla[key]:.1f} us)", "kernel time")
+
+
+def peers(records: list[dict]) -> Iterator[Row]:
+    """bench/run.py with the peers: our compiled step (decode) or call (prefill) against MaxText
+    and HF transformers, same weights and inputs."""
+    by = {}
+    for r in records:
+        by[(r["scenario"], r["layer_type"], r["prompt_len"], r["batch"], r["mode"])] = r
+    for (scenario, layer, length, batch, mode), r in by.items():
+        if mode != "none" or r.get("error"):
+            continue
+        mt = by.get((scenario, layer, length, batch, "maxtext-jax"))
+        hf = by.get((scenario, layer, length, batch, "hf-torch"))
+
+        def ms(p, key):
+            if p is None or p.get("error") or p.get("skipped") or p.get(key) is None:
+                return "not run"
+            return f"{p[key]:.3g}"
+        if scenario == "prefill":
+            case, key, ours = f"{layer} prefill {_ctx(r['prompt_len'])}, B = {batch}", "prefill_ms", r["prefill_ms"]
+        else:
+            where = "PR-like" if scenario == "decode_pr" else f"at {_ctx(r['context_len'])}"
+            case, key, ours = f"{layer} decode {where}, B = {batch}", "decode_ms_median", r["raw_step_ms_median"]
+        yield (case, f"ours {ours:.3g} ms, MaxText {ms(mt, key)}, HF {ms(hf, key)}",
+               "ours: compiled step" if scenario != "prefill" else "ours: module call")
+
+
+def sharded(records: list[dict]) -> Iterator[Row]:
+    """bench/sharded.py: one GPU against a mesh over two, same layer and inputs."""
+    one = {(r["scenario"], r["layer_type"], r["mode"], r["batch"]): r for r in records if r["mesh"] == "1"}
+    for r in records:
+        base = one.get((r["scenario"], r["layer_type"], r["mode"], r["batch"]))
+        if r["mesh"] == "1" or base is None:
+            continue
+        what = "decode" if r["scenario"] == "sharded_decode" else f"prefill {_ctx(r['new_tokens'])}"
+        mode = r["mode"] + (f" ({r['break_on']})" if r.get("break_on") else "")
+        yield (f"{r['layer_type']} {mode}, {what}, B = {r['batch']}, mesh {r['mesh']}",
+               f"{r['step_ms']:.3g} ms against {base['step_ms']:.3g} on one GPU "
+               f"({base['step_ms'] / r['step_ms']:.2f}x)", "")
+
+
+def ragged(records: list[dict]) -> Iterator[Row]:
+    """bench/ragged.py: a ragged call against the same shape with every slot real."""
+    for r in records:
+        if not r.get("error"):
+            yield (f"{r['layer_type']} [B = {r['batch']}, {r['prefill']}] mix, {r['mode']}",
+                   f"{r['ragged_vs_padded']:.2f}x the padded call", "")
+
+
+# The cited records: (scenario, record under bench/results/, command, machine, commit that added it, extractor).
+SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row]]]] = [
+    ("Stacks of 4 layers on the same buffers (decode, prefill), the module call",
+     "h200_stack_grid_same_buffers_2026-12-02.json",
+     "python3 bench/stack.py --size flash --same-buffers all --call-overhead --call-overhead-size flash",
+     H200, "d88f675", stack),
+    ("The mixed stack's decode with the usual steps (new positions, new output each step)",
+     "h200_stack_grid_mixed_fresh_2026-12-02.json",
+     "python3 bench/stack.py --size flash --stacks mixed --scenarios stack_decode",
+     H200, "d88f675", stack),
+    ("Break modes: the device break and the XLA selection against `none` (one CSA layer)",
+     "h200_flash_device_break_2026-12-01.json",
+     "python3 bench/run.py --size flash --layers csa --scenarios decode_pr,decode_long "
+     "--modes none,none-xla,narrow-device --no-peer --no-progress",
+     H200, "b822eef", break_modes),
+    ("Break modes: the host break (one CSA layer; before the selection kernels' rewrite)",
+     "h200_flash_device_break_2026-11-30_r3.json",
+     "python3 bench/run.py --size flash --layers csa --scenarios decode_pr,decode_long "
+     "--modes none,none-xla,narrow,narrow-device --no-peer --no-progress",
+     H200, "ee6d48d", break_modes),
+    ("The selection alone",
+     "h200_topk_native_ab_new_2026-12-01.json",
+     "python3 bench/topk.py --device-time --repeats 10",
+     H200, "b822eef", topk),
+    ("Against MaxText 0.2.5 and HF transformers 5.23.0: CSA",
+     "h200_flash_maxtext_csa_2026-12-01.json",
+     "python3 bench/run.py --size flash --layers csa --modes none --batches 1,8,32 --peers hf-torch,maxtext-jax "
+     "--hf-mem-gb 30 --no-cmdbuf --no-ceilings --no-progress",
+     H200 + ", without the CUDA handlers (`lax.top_k`)", "3307da6", peers),
+    ("Against MaxText 0.2.5 and HF transformers 5.23.0: HCA",
+     "h200_flash_maxtext_hca_2026-12-01.json",
+     "python3 bench/run.py --size flash --layers hca --modes none --batches 1,8 --peers hf-torch,maxtext-jax "
+     "--hf-mem-gb 30 --no-cmdbuf --no-ceilings --no-progress",
+     H200, "3307da6", peers),
+    ("Two GPUs: batch (2x1) or heads (1x2) over two H200s against one",
+     "h200x2_sharded_2026-12-01.json",
+     "python3 bench/sharded.py --size flash --xla-dump DIR --vlog LOG",
+     H200X2, "7f89b0d", sharded),
+    ("Ragged batches (CPU, small size, float32; a CI run shared the cores)",
+     "cpu_small_ragged.json",
+     "python bench/ragged.py --size small",
+     CPU, "540dc14", ragged),
+]
+
+
+# The sections after the generated table are written by hand (figures not in a record here).
+TAIL = "## Training (issue 28)"
+STUBS = (f"{TAIL}\n\nMeasured in the current session: see below.\n\n"
+         "## Long context (issue 29)\n\nMeasured in the current session: see below.\n")
+
+
+# Records with no date in their meta or name: the date of the run, from the journal.
+UNDATED = {"cpu_small_ragged.json": "2026-11-30"}
+
+
+def _date(data: dict, name: str) -> str:
+    meta = data.get("meta") or {}
+    date = meta.get("date_utc") or next((r.get("date_utc") for r in data["records"] if r.get("date_utc")), None)
+    if date:
+        return str(date)[:10]
+    dated = [part for part in name.replace(".", "_").split("_") if part.startswith("20") and len(part) == 10]
+    return dated[0] if dated else UNDATED[name]
+
+
+def markdown() -> str:
+    out = ["# bench/RESULTS.md: where the package stands", "",
+           "Generated by `python bench/results_table.py --write` from the records it cites (`SOURCES` there);",
+           "do not edit by hand. Every figure is read from the record named in its section: V4-Flash sizes,",
+           "bf16, unless the section says otherwise. Records live in `bench/results/`; how each figure was",
+           "reached, and the figures before these, is the frozen journal",
+           "[`docs/journal/RESULTS_2026-11-30_to_2026-12-02.md`](../docs/journal/RESULTS_2026-11-30_to_2026-12-02.md).",
+           "What the scenarios measure and how to run them: [`docs/benchmarks.md`](../docs/benchmarks.md).",
+           "", "| # | scenario | record | date | machine | commit | command |", "|---|---|---|---|---|---|---|"]
+    tables = []
+    for i, (title, name, command, machine, commit, extract) in enumerate(SOURCES, 1):
+        data = json.loads((RESULTS / name).read_text())
+        out.append(f"| {i} | {title} | [`results/{name}`](results/{name}) | {_date(data, name)} | {machine} | "
+                   f"{commit} | `{command}` |")
+        rows = list(extract(data["records"]))
+        tables += ["", f"## {i}. {title}", "", f"Record `results/{name}`.", "",
+                   "| case | figure | note |", "|---|---|---|"]
+        tables += [f"| {case} | {figure} | {note} |" for case, figure, note in rows]
+    out += tables
+    return "\n".join(out) + "\n"
+
+
+def page(current: str | None = None) -> str:
+    """The generated table, then the hand-written sections from `TAIL` on of `current` (the
+    page as it is), or their stubs."""
+    if current is not None and f"\n{TAIL}" in current:
+        return markdown() + current[current.index(f"\n{TAIL}"):]
+    return markdown() + "\n" + STUBS
+
+
+def generated_part(text: str) -> str:
+    """What `markdown()` owns of a page: everything before `TAIL`."""
+    return text[:text.index(f"\n{TAIL}")] if f"\n{TAIL}" in text else text
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help=f"write {PAGE.relative_to(ROOT)}")
+    args = ap.parse_args(argv)
+    text = page(PAGE.read_text() if PAGE.exists() else None)
+    if args.write:
+        PAGE.write_text(text)
+    else:
+        print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
