@@ -2,12 +2,22 @@
 # The H200 entry point: one device call, one or more subcommands run in order after one build
 # (bench/gpu_build.sh: the package with its CUDA handlers). Records and logs go under $OUT.
 #
-#   bash bench/gpu.sh gates           the GPU-only tests: every Pallas kernel (forward and backward)
-#                                     against its XLA reference at V4-Flash sizes, the gradients
-#                                     with the Triton kernels against the CPU's, the golden replays
-#                                     and the break modes' agreement on the GPU (GATES_K: pytest -k)
-#   bash bench/gpu.sh train           bench/train.py --size flash $TRAIN_ARGS -> $OUT/train*.json
-#   bash bench/gpu.sh stack           bench/stack.py --size flash $STACK_ARGS -> $OUT/stack*.json
+#   gates     the GPU-only tests: every Pallas kernel (forward and backward) against its XLA
+#             reference at V4-Flash sizes, the gradients with the Triton kernels against the CPU's
+#             (GATES_K: pytest -k), then the golden replays and the break modes' agreement (GOLDEN=0: not)
+#   train     bench/train.py --size flash $TRAIN_ARGS -> $OUT/train$TRAIN_TAG.json
+#   stack     bench/stack.py --size flash $STACK_ARGS -> $OUT/stack$STACK_TAG.json
+#   run       bench/run.py --size flash $RUN_ARGS -> $OUT/run$RUN_TAG.json
+#   topk      bench/topk.py: the selection alone, device time -> $OUT/topk.json
+#   sharded   (kind nvidia-h200-x2) bench/sharded.py --size flash $SHARDED_ARGS -> $OUT/h200x2_sharded.json,
+#             with the command-buffer pass's log and XLA's thunk dumps (which collectives run in graphs)
+#   maxtext   the MaxText and HF peers beside `none` (bench/run.py --peers hf-torch,maxtext-jax), from
+#             wheel folders carried with the call (PEER_WHEELS, default build/peer_wheels; HF_WHEELS,
+#             default build/hf_wheels; made here with internet: docs/benchmarks.md); LAYERS, BATCHES
+#   ab        bench/stack.py's decode stacks of the tree against the tree with files swapped in, one
+#             process per variant on one machine: ORDER (default "new old new"), AB_DIR (the files of
+#             "old" at their paths, default build/ab_old; any other tag T: build/ab_T), STACKS,
+#             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T)
 #
 # e.g. TRAIN_ARGS="--stacks csa,hca --batches 1,4 --lengths 4096,16384" bash bench/gpu.sh gates train
 set -uo pipefail
@@ -36,6 +46,83 @@ train() {
 stack() {
   timeout "${STACK_TIMEOUT:-480}" python3 bench/stack.py --size flash --json "$OUT/stack${STACK_TAG:-}.json" \
     ${STACK_ARGS:-} 2>&1 | tail -40
+}
+
+run() {
+  timeout "${RUN_TIMEOUT:-480}" python3 bench/run.py --size flash --no-progress --json "$OUT/run${RUN_TAG:-}.json" \
+    ${RUN_ARGS:-} 2>&1 | tail -40
+}
+
+topk() {
+  XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true" timeout "${TOPK_TIMEOUT:-300}" \
+    python3 bench/topk.py --device-time --repeats 10 --json "$OUT/topk.json" 2>&1 | tail -30
+}
+
+sharded() {
+  # NVLink multicast stays off (the machine's rule; the image sets these, a child keeps them).
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
+  local dump=/tmp/sharded_xla_dump; rm -rf "$dump"
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=3 \
+    timeout "${SHARDED_TIMEOUT:-420}" python3 bench/sharded.py --size flash --xla-dump "$dump" \
+    --vlog "$OUT/sharded_stderr.log" --json "$OUT/h200x2_sharded.json" ${SHARDED_ARGS:-} \
+    >"$OUT/sharded.log" 2>"$OUT/sharded_stderr.log"
+  echo "sharded rc=$?"
+  grep -v "^|" "$OUT/sharded.log" | tail -45
+  ( cd "$dump" 2>/dev/null && tar czf "$OUT/sharded_thunks.tar.gz" $(ls | grep thunk_sequence_after_thunk_passes) ) || true
+  gzip -9 -c "$OUT/sharded_stderr.log" >"$OUT/sharded_stderr.log.gz" && rm -f "$OUT/sharded_stderr.log"
+}
+
+maxtext() {
+  # The device has no internet: the peers' packages come as carried wheels, installed without
+  # dependency resolution into a folder on PYTHONPATH (jax, flax and torch are the box's own).
+  local site=build/peer_site dir
+  for dir in "${PEER_WHEELS:-build/peer_wheels}" "${HF_WHEELS:-build/hf_wheels}"; do
+    [ -d "$dir" ] || { echo "$dir: not carried"; continue; }
+    python3 -m pip install -q --upgrade --no-index --no-deps --target "$site" "$dir"/*.whl \
+      >>"$OUT/peer_install.log" 2>&1; echo "install $dir rc=$?"
+  done
+  local name="h200_flash_maxtext_${LAYERS:-csa_hca}"; name=${name/,/_}
+  PYTHONPATH="$PWD/$site${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 \
+    timeout "${MAXTEXT_TIMEOUT:-500}" python3 bench/run.py --size flash --layers "${LAYERS:-csa,hca}" --modes none \
+    --batches "${BATCHES:-1,8,32}" --peers hf-torch,maxtext-jax --hf-mem-gb 30 --no-cmdbuf --no-ceilings \
+    --no-progress --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+  echo "maxtext rc=$?"
+  grep -v "NO-OP\|RequestsDependency\|warnings.warn\|WARNING:absl\|^ *$" "$OUT/$name.log" | tail -40
+}
+
+ab() {
+  local order=${ORDER:-new old new} saved=/tmp/ab_tree_saved tag d f i=0
+  variant_dir() {  # the files a tag swaps in: none for "new" and for a tag without its directory
+    case $1 in new) d="" ;; old) d="${AB_DIR:-build/ab_old}" ;; *) d="build/ab_$1" ;; esac
+    if [ -n "$d" ] && [ -d "$d" ]; then echo "$d"; fi
+  }
+  rm -rf "$saved"; mkdir -p "$saved"
+  for tag in $order; do  # the tree's own version of every file some variant replaces
+    d=$(variant_dir "$tag"); [ -n "$d" ] || continue
+    (cd "$d" && find . -type f) | while read -r f; do mkdir -p "$saved/$(dirname "$f")"; cp "$f" "$saved/$f"; done
+  done
+  use() {
+    (cd "$saved" && find . -type f) | while read -r f; do cp "$saved/$f" "$f"; done
+    d=$(variant_dir "$1")
+    if [ -n "$d" ]; then (cd "$d" && find . -type f) | while read -r f; do cp "$d/$f" "$f"; done; fi
+    if (cd "$saved" && find . -type f) | grep -q "^./csrc/"; then
+      python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build_$1.log" 2>&1
+    fi
+  }
+  for tag in $order; do
+    i=$((i + 1)); use "$tag"
+    local extra_flags extra_args xla_flags
+    extra_flags=$(eval echo "\${FLAGS_$tag:-}"); extra_args=$(eval echo "\${ARGS_$tag:-}")
+    # XLA reads a non-empty XLA_FLAGS that does not start with "--" as a file name.
+    xla_flags=$(echo ${XLA_FLAGS:-} $extra_flags)
+    ( if [ -n "$xla_flags" ]; then export XLA_FLAGS="$xla_flags"; else unset XLA_FLAGS; fi
+      timeout "${STACK_TIMEOUT:-120}" python3 bench/stack.py $extra_args --size flash --scenarios stack_decode \
+        --stacks "${STACKS:-csa}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" \
+        --json "$OUT/h200_stack_ab_${i}_$tag.json" >"$OUT/stack_ab_${i}_$tag.log" 2>&1 )
+    echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -6
+  done
+  use new
 }
 
 for cmd in "$@"; do

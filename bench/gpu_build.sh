@@ -1,4 +1,4 @@
-# Sourced by the bench/gpu_*.sh device scripts: the common start of one H200 call. Sets OUT
+# Sourced by bench/gpu.sh (the device entry point): the common start of one H200 call. Sets OUT
 # (default /tmp/dsv4_out) and t0, records the card (gpu.txt), builds the package with its CUDA
 # handlers (build.log; the call stops with the log's tail if the build fails) and prints what
 # was built.

@@ -36,6 +36,7 @@ A cell that fails (out of memory, ...) is a record with ``error`` and the run go
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -88,14 +89,14 @@ class TrainStack(stack_mod.Stack):
     """bench/stack.py's stack (same layers and weights), each layer constructed anew with this run's
     ``break_mode`` and ``kernels``; ``weights`` are the parameters alone (`weights()`)."""
 
-    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, break_mode: str, kernels: str):
+    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, break_mode: str, kernels):
         super().__init__(cfg, kind, n, dtype, seed, "none", fused=False)
         self.layers = [self._rebuilt(a, seed + i, break_mode, kernels) for i, a in zip(self.indices, self.layers)]
         self.specs = tuple(a.step_spec() for a in self.layers)
         self.weights = [a.weights() for a in self.layers]
 
     @staticmethod
-    def _rebuilt(attn, seed: int, break_mode: str, kernels: str):
+    def _rebuilt(attn, seed: int, break_mode: str, kernels):
         new = dsv4_jax.DeepseekV4Attention(attn.config, attn.layer_idx, rngs=nnx.Rngs(seed), break_mode=break_mode,
                                            kernels=kernels, dtype=attn.dtype, param_dtype=attn.param_dtype)
         nnx.update(new, nnx.state(attn, nnx.Param))  # the bench's random sinks and position biases too
@@ -192,6 +193,14 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"
 
 
+def kernel_plan(args) -> dsv4_jax.KernelPlan:
+    """--kernels (a name) with --attention-backward and bench/stack.py's kernel A/B switches."""
+    plan = stack_mod.kernel_plan(args, args.kernels)
+    if args.attention_backward:
+        plan = dataclasses.replace(plan, attention_backward=args.attention_backward)
+    return plan
+
+
 def run(args, write=None) -> tuple[list, dict]:
     cfg = stack_mod.stack_config(args.size, args.layers)
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -202,19 +211,21 @@ def run(args, write=None) -> tuple[list, dict]:
     # bench/run.py's environment adds the commit, a dirty flag, the package's source hash, nvidia-smi
     meta = {**run_mod.environment("gpu" if gpu else "cpu"), **env, "command": " ".join(sys.argv),
             "size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers,
-            "stacks": args.stacks, "remat": args.remat, "break_mode": args.break_mode, "kernels": args.kernels,
+            "stacks": args.stacks, "remat": args.remat, "break_mode": args.break_mode,
+            "kernels": dataclasses.asdict(kernel_plan(args)),
             "peer": peer, "maxtext": peer_maxtext.versions() if not reason else {"unavailable": reason},
             "repeats": args.repeats, "seed": args.seed}
     records: list[dict] = []
     peer_cache: dict = {}
     for kind in args.stacks.split(","):
-        stack = TrainStack(cfg, kind, args.layers, dtype, args.seed, args.break_mode, args.kernels)
+        stack = TrainStack(cfg, kind, args.layers, dtype, args.seed, args.break_mode, kernel_plan(args))
         for length in (int(v) for v in args.lengths.split(",")):
             for batch in (int(v) for v in args.batches.split(",")):
                 rec = {"scenario": "train_step", "size": args.size, "stack": kind, "layer_type": stack.layer_type,
                        "n_layers": len(stack.layers), "layer_indices": stack.indices, "batch": batch,
                        "prompt_len": length, "dtype": dtype.name, "remat": args.remat,
-                       "break_mode": args.break_mode, "kernels": args.kernels, "repeats": args.repeats,
+                       "break_mode": args.break_mode, "kernels": args.kernels,
+                       "attention_backward": kernel_plan(args).attention_backward, "repeats": args.repeats,
                        **floors(stack, batch, length), "error": None}
                 try:
                     time_train(rec, stack, batch, length, args.repeats, args.seed, args.remat)
@@ -282,7 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per program (default 5, --quick 2)")
     ap.add_argument("--remat", default="none", choices=REMAT, help="layer: jax.checkpoint around each layer")
     ap.add_argument("--break-mode", default="narrow", help="the layers' break_mode (default narrow)")
-    ap.add_argument("--kernels", default="auto", help="the layers' kernels (default auto)")
+    ap.add_argument("--kernels", default="auto", choices=dsv4_jax.KERNELS, help="the layers' kernels (default auto)")
+    ap.add_argument("--attention-backward", default=None, choices=("auto", "xla"),
+                    help="the sparse attention kernel's gradient: its backward kernel (auto) or the XLA VJP")
+    for flag in ("decode-kernel", "prefill-kernel", "compress-kernel"):  # bench/stack.py's A/B switches
+        ap.add_argument(f"--{flag}", action="store_true", help=f"as bench/stack.py --{flag}")
+        ap.add_argument(f"--no-{flag}", action="store_true", help=f"as bench/stack.py --no-{flag}")
+    ap.add_argument("--prefill-blocks", default=None, help="as bench/stack.py --prefill-blocks")
     ap.add_argument("--dtype", default=None, help="parameters and activations (default bfloat16 on GPU, else float32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer", default=None, choices=("maxtext", "none"),
