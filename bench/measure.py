@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 import dsv4_jax
-from dsv4_jax import attention as attention_mod
+from dsv4_jax import step as step_mod
 
 from . import plan as plan_mod
 
@@ -143,7 +143,7 @@ def clone(cache):
 def host_breaks(attn, x, pos, cache) -> int:
     """Host callbacks (breaks) in the lowered step for these inputs: count of Python callbacks."""
     spec = attn.step_spec()
-    step = attention_mod.step_function(attn.donate_cache)
+    step = step_mod.step_function(attn.donate_cache)
     text = step.lower(attn.step_weights(), cache, x, pos, spec=spec).as_text()
     return text.count("xla_ffi_python_")
 
@@ -238,7 +238,7 @@ class JaxRun:
                 "host_breaks": breaks, "steps": n_steps, "repeats": reps, "raw_decode": raw}
 
     def raw_steps(self, case, dev_inputs: dict, snap, n_steps: int) -> list:
-        """The same decode steps through the compiled step function alone (`attention.step_function`:
+        """The same decode steps through the compiled step function alone (`step.step_function`:
         no input checks, weights pytree built once, cache length on the device): the module's
         per-call overhead is the difference. Same compiled executable as the module call."""
         attn = self.attn
@@ -247,7 +247,7 @@ class JaxRun:
             _, cache = attn(*dev_inputs["prompt"], cache)
         steps = dev_inputs["steps"][:n_steps]
         spec = attn.step_spec()
-        step = attention_mod.step_function(attn.donate_cache)
+        step = step_mod.step_function(attn.donate_cache)
         weights = attn.step_weights()  # what the module call hands the step
         cache = cache.replace(length=jnp.asarray(cache.length))
         jax.block_until_ready(cache)

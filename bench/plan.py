@@ -49,20 +49,17 @@ SHORT = {CSA: "CSA", HCA: "HCA", SLIDING: "SWA"}
 def config_for(size: str) -> dsv4_jax.DeepseekV4Config:
     """The attention config of a size.
 
-    tiny:  dsv4_jax's CPU test config (window 8, top-k 4) for the smoke test.
-    small: a scaled-down V4 for the 2-core CPU box: hidden 1024, 16 heads x 128, q_lora 256,
-           4 output groups x 256, window 128, indexer 16 x 64, top-k 128, ratios 4 / 128.
+    tiny:  `DeepseekV4Config.tiny()`, the CPU test config (window 8, top-k 4), for the smoke test.
+    small: `DeepseekV4Config.small()`, a scaled-down V4 for the 2-core CPU box: hidden 1024,
+           16 heads x 128, q_lora 256, 4 output groups x 256, window 128, indexer 16 x 64,
+           top-k 128, ratios 4 / 128.
     flash: the published V4-Flash sizes (hidden 4096, 64 heads x 512, q_lora 1024, 8 groups x
            1024, window 128, indexer 64 x 128, top-k 512, ratios 4 / 128).
     """
     if size == "tiny":
         return dsv4_jax.DeepseekV4Config.tiny()
     if size == "small":
-        return dsv4_jax.DeepseekV4Config(
-            hidden_size=1024, num_attention_heads=16, head_dim=128, qk_rope_head_dim=64, q_lora_rank=256,
-            o_groups=4, o_lora_rank=256, sliding_window=128, index_n_heads=16, index_head_dim=64,
-            index_topk=128, layer_types=(SLIDING, CSA, HCA),
-        )
+        return dsv4_jax.DeepseekV4Config.small()
     if size == "flash":
         return dsv4_jax.DeepseekV4Config.flash()
     raise ValueError(f"--size: expected tiny, small or flash, got {size!r}")

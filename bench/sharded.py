@@ -10,10 +10,10 @@ For each layer type (CSA in modes ``none``, ``narrow`` with ``break_on="host"`` 
 and 32 from a 16k context, prefill of 4k tokens at B = 2), the same layer (same weights), the
 same inputs and the same starting cache run
 
-* on **one device** (the plain layer, `dsv4_jax.attention.step_function`), mesh ``"1"``;
+* on **one device** (the plain layer, `dsv4_jax.step.step_function`), mesh ``"1"``;
 * on every mesh of ``--meshes`` (``DATAxMODEL``; default ``2x1`` = batch over two devices and
   ``1x2`` = heads over two devices), through `dsv4_jax.sharding` (`shard_layer`,
-  `shard_cache`, `sharded_attention_step`).
+  `shard_cache`; the step: `dsv4_jax.step.sharded_attention_step`).
 
 Each record (scenario ``sharded_decode`` / ``sharded_prefill``) holds:
 
@@ -77,9 +77,9 @@ import numpy as np  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
-from dsv4_jax import attention as attention_mod  # noqa: E402
 from dsv4_jax import native, sharding  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
+from dsv4_jax.step import step_function  # noqa: E402
 
 # (layer name, mode): the matrix. HCA has no indexer: narrow is none there.
 RUNS = (("csa", "none"), ("csa", "narrow"), ("csa", "narrow-device"), ("hca", "none"))
@@ -190,9 +190,8 @@ class Placement:
         self.weights = attn.step_weights()  # what the module call hands the step
         self.spec = attn.step_spec()
         self.spec_intermediates = attn.step_spec(return_intermediates=True)
-        module = sharding if mesh is not None else attention_mod
-        self.step = module.step_function(donate=True)
-        self.step_keep = module.step_function(donate=False)
+        self.step = step_function(donate=True, sharded=mesh is not None)
+        self.step_keep = step_function(donate=False, sharded=mesh is not None)
 
     def place(self, cache):
         if self.mesh is None:

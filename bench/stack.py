@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -76,8 +77,9 @@ import numpy as np  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
-from dsv4_jax import attention as attention_mod  # noqa: E402
+from dsv4_jax import step as step_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
+from dsv4_jax.demo import stack_step  # noqa: E402
 from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
 
 STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
@@ -102,32 +104,19 @@ def stack_layer_indices(cfg, kind: str, n: int) -> list[int]:
     return idx[:n]
 
 
-def stack_step(weights, caches, hidden_states, positions, specs):
-    """N layers in one program: ``h = h + attention(layer_i, h)``; returns (h, new caches)."""
-    h = hidden_states
-    new_caches = []
-    for w, cache, spec in zip(weights, caches, specs):
-        out, cache, _ = attention_mod.attention_step(w, cache, h, positions, spec)
-        h = h + out
-        new_caches.append(cache)
-    return h, new_caches
-
-
+# The stack's step is the demo's (`dsv4_jax.demo.stack_step`: ``h = h + attention(layer_i, h)``
+# over the layers, one program); here its jitted variants.
 STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("caches",))
 
-
-def stack_step_own_positions(weights, caches, hidden_states, specs):
-    """`stack_step` of one new token a row at each row's next position, each layer's from its
-    cache length (``positions=None``, `dsv4_jax.cache.next_positions`; `--same-buffers`): no
-    positions argument, so no new argument buffer a step. XLA re-records a CUDA graph's
-    commands whenever a buffer they use moved (`command_buffer::update`); these steps show
-    what that costs the host."""
-    return stack_step(weights, caches, hidden_states, None, specs)
-
-
-# --same-buffers positions: the positions from the caches (the output is still a new buffer);
-# --same-buffers all: the hidden states donated too, so a loop feeding each step the last one's
-# output gets it back in the same buffer: every argument and output the same buffer every step.
+# `--same-buffers`: `stack_step` of one new token a row at each row's next position, each
+# layer's from its cache length (``positions=None``, `dsv4_jax.cache.next_positions`): no
+# positions argument, so no new argument buffer a step. XLA re-records a CUDA graph's commands
+# whenever a buffer they use moved (`command_buffer::update`); these steps show what that costs
+# the host. "positions": the positions from the caches (the output is still a new buffer);
+# "all": the hidden states donated too (as `dsv4_jax.demo.stack_decode_step`), so a loop feeding
+# each step the last one's output gets it back in the same buffer: every argument and output
+# the same buffer every step.
+stack_step_own_positions = functools.partial(stack_step, positions=None)
 STACK_STEP_OWN_POSITIONS = {
     "positions": jax.jit(stack_step_own_positions, static_argnames=("specs",), donate_argnames=("caches",)),
     "all": jax.jit(stack_step_own_positions, static_argnames=("specs",), donate_argnames=("caches", "hidden_states")),
@@ -481,7 +470,7 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
                                attn.init_cache(batch, max_seq_len))
     attn = layers[True]
     spec = attn.step_spec()
-    step = attention_mod.step_function(attn.donate_cache)
+    step = step_mod.step_function(attn.donate_cache)
     raw_cache = measure.clone(caches[True]).replace(length=jnp.asarray(caches[True].length), layer_idx=-1)
     weights = attn.step_weights()
     raw_t, outs = [], {}

@@ -59,7 +59,7 @@ from bench import peer_maxtext, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import run as run_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
-from dsv4_jax import attention as attention_mod  # noqa: E402
+from dsv4_jax import step as step_mod  # noqa: E402
 
 REMAT = ("none", "layer")
 
@@ -67,7 +67,7 @@ REMAT = ("none", "layer")
 # ---------------------------------------------------------------------------- the loss
 def layer_output(weights, cache, h, positions, spec):
     """One layer's attention output [B, L, hidden] (the new cache is dropped: a training step has no use for it)."""
-    return attention_mod.attention_step(weights, cache, h, positions, spec)[0]
+    return step_mod.attention_step(weights, cache, h, positions, spec)[0]
 
 
 def stack_loss(weights, caches, x, positions, specs, remat: str = "none"):
@@ -165,6 +165,37 @@ def time_train(rec: dict, stack: TrainStack, batch: int, length: int, repeats: i
                **grad_summary(grads))
 
 
+def profile_train(stack: TrainStack, batch: int, length: int, steps: int, seed: int, remat: str, log_dir: str) -> list:
+    """Device time per XLA operation of the forward and of forward + backward (`bench/kernel_profile.py`,
+    command buffers kept on): which operations the backward's time goes to."""
+    from bench import kernel_profile
+
+    x = stack_mod._hidden(stack.cfg, batch, length, stack.dtype, seed)
+    args = (stack.weights, stack.empty_caches(batch, stack_mod._round_up(length)), x,
+            stack_mod._positions(batch, 0, length))
+    static = {"specs": stack.specs, "remat": remat}
+    out = []
+    for name, jitted in (("fwd", FWD), ("fwd_bwd", FWD_BWD)):
+        prog = jitted.lower(*args, **static).compile()
+        summary = kernel_profile.profile(lambda prog=prog: jax.block_until_ready(prog(*args)), steps,
+                                         f"{log_dir}/{stack.kind}_B{batch}_L{length}_{name}")
+        kernel_profile.attach_sources(summary, prog.as_text())
+        summary.update({"program": name, "stack": stack.kind, "layer_type": stack.layer_type,
+                        "n_layers": len(stack.layers), "batch": batch, "prompt_len": length, "remat": remat})
+        out.append(summary)
+    return out
+
+
+def profile_items(spec: str | None) -> list:
+    """``--profile`` items STACK/B:LEN as (stack, batch, length)."""
+    items = []
+    for item in filter(None, (spec or "").split(",")):
+        kind, _, cell = item.partition("/")
+        b, _, length = cell.partition(":")
+        items.append((kind, int(b), int(length)))
+    return items
+
+
 # ---------------------------------------------------------------------------- the MaxText peer
 def maxtext_cell(cache: dict, stack: TrainStack, size: str, batch: int, length: int, repeats: int,
                  seed: int, mem_gb: float | None) -> dict:
@@ -244,6 +275,16 @@ def run(args, write=None) -> tuple[list, dict]:
                 print(_line(rec), file=sys.stderr, flush=True)
                 if write:
                     write(records, meta)
+        for p_kind, b, length in profile_items(args.profile):
+            if p_kind == kind:
+                try:
+                    meta.setdefault("profiles", []).extend(
+                        profile_train(stack, b, length, args.profile_steps, args.seed, args.remat, args.profile_dir))
+                except Exception as err:
+                    meta.setdefault("profiles", []).append({"stack": kind, "batch": b, "prompt_len": length,
+                                                            "error": first_line(err)})
+                if write:
+                    write(records, meta)
         del stack
     return records, meta
 
@@ -306,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MaxText's fwd+bwd beside ours (default: maxtext where it imports)")
     ap.add_argument("--maxtext-mem-gb", type=float, default=None,
                     help="memory MaxText may use (default: the free part of JAX's pool on GPU, 8 GB on CPU)")
+    ap.add_argument("--profile", default=None, metavar="STACK/B:LEN[,...]",
+                    help="also profile the forward and forward + backward of these cells: device time per XLA "
+                         "operation in meta['profiles'] (bench/kernel_profile.py)")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--profile-dir", default="/tmp/dsv4_train_profile")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

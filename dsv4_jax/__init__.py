@@ -3,7 +3,7 @@
 # export registers the pytrees for jax.export serialization; sharding: meshes, partition specs;
 # long_context: prompts of any length by chunks, cache sizes.
 from . import export, long_context, sharding  # noqa: F401
-from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, attention_step
+from .attention import DeepseekV4Attention
 from .breaks import BREAK_MODES, BREAK_PLACES, BreakPlan
 from .cache import AttentionCache, CompressorCache, reset_rows
 from .checkpoint import load_attention_checkpoint
@@ -11,6 +11,7 @@ from .config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from .indexer_loss import indexer_kl_loss
 from .kernel_plan import KERNELS, KernelPlan
 from .native import native_info
+from .step import AttentionWeights, Intermediates, attention_step
 from .weights import load_hf_attention_weights
 
 __all__ = [

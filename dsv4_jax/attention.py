@@ -1,499 +1,31 @@
 """`DeepseekV4Attention`: the layer, as a thin NNX module over a pure, compiled step.
 
-One call runs the stages of vLLM's `attention_impl`, in order (names as in vLLM):
-
-1. input GEMMs: ``wq_a`` + q_norm -> q_residual; ``wkv`` + kv_norm; the compressors'
-   kv/gate projections; the indexer's head weights           (always in-graph)
-2. ``wq_b_kv_insert``: ``wq_b``, per-head q norm, RoPE on q and kv, window-cache insert
-3. ``compressor``: gated pooling of completed windows into compressed entries (CSA/HCA)
-4. ``indexer``: its own key compressor, queries, scores, top-k (CSA)
-5. sparse attention: window keys + picked (CSA) / visible (HCA) entries + sink
-6. output: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``
-
-Stages 2-4 are `run_stages`, written once for XLA and NumPy; the step's `BreakPlan` (from
-`break_mode`, `break_on` and `kernels`, see `breaks`) decides which of them run in a break and
-where. Stages 1, 5 and 6 are always in-graph.
-
-Shapes: B batch, S new tokens, H heads, D head_dim, W window, T entry slots, K index_topk.
+The module holds the parameters (`Compressor` and `Indexer` are its submodules), makes the
+cache (`init_cache`), hands out its parameters as the step's pytree (`weights`,
+`step_weights`) and its static description (`step_spec`: the `StepSpec` with the one
+`BreakPlan`, break and kernels resolved together). The step itself, its stages and its
+compiled versions are `dsv4_jax.step`; the eager call (checks, memo, host length mirror) is
+`dsv4_jax.call_path`, to which `__call__` hands over.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 import weakref
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
-
-from . import breaks, indexer, sharding, validation
-from .backend import QUERY_BLOCK, Array, einsum, to_host_memory
-from .cache import (
-    AttentionCache,
-    CompressorCache,
-    advance_length,
-    init_attention_cache,
-    insert_ring,
-    next_positions,
-    overflows,
-    real_tokens,
-)
-from .compressor import CompressorWeights, compress, visible_entries
-from .config import CSA, HCA, SLIDING, DeepseekV4Config
-from .indexer import IndexerWeights, head_weights, index_queries
-from .norms import head_rms_norm, rms_norm
-from .rope import apply_rope, attention_factor, inv_freq
-from .sparse_attention import key_pool, sparse_attention
-
-
-# ---------------------------------------------------------------------------- pytrees
-@struct.dataclass
-class AttentionWeights:
-    """The layer's parameters as plain arrays (JAX [in, out] layout; what the step consumes).
-
-    q_a_proj [hidden, Lq], q_a_norm [Lq], q_b_proj [Lq, H*D], kv_proj [hidden, D],
-    kv_norm [D], o_a_proj [G, H*D/G, R], o_b_proj [G*R, hidden], sinks [H];
-    compressor (CSA/HCA) and indexer (CSA) or None.
-
-    input_proj [hidden, N] is derived, not a parameter: the input projections' weights side by
-    side (`fuse_input_projections`; the layer's `step_weights()` adds it), or None. With it the
-    step runs one GEMM for them all; without it, one per projection (same values).
-    """
-
-    q_a_proj: Array
-    q_a_norm: Array
-    q_b_proj: Array
-    kv_proj: Array
-    kv_norm: Array
-    o_a_proj: Array
-    o_b_proj: Array
-    sinks: Array
-    compressor: CompressorWeights | None = None
-    indexer: IndexerWeights | None = None
-    input_proj: Array | None = None
-
-
-DERIVED_WEIGHTS = ("input_proj",)  # AttentionWeights fields that are no parameter of the layer
-
-
-def input_projection_weights(weights: AttentionWeights) -> list:
-    """The input projections' [hidden, n] weights in `input_proj`'s column order: q_a, kv, then
-    the compressor's kv and gate, then the indexer's compressor kv and gate and weights_proj."""
-    parts = [weights.q_a_proj, weights.kv_proj]
-    if weights.compressor is not None:
-        parts += [weights.compressor.kv_proj, weights.compressor.gate_proj]
-    if weights.indexer is not None:
-        parts += [weights.indexer.compressor.kv_proj, weights.indexer.compressor.gate_proj,
-                  weights.indexer.weights_proj]
-    return parts
-
-
-def fuse_input_projections(weights: AttentionWeights) -> AttentionWeights:
-    """`weights` with `input_proj` set: the input projections' weights concatenated once.
-
-    Why: the projections share their input, and XLA:GPU merges such GEMMs into one over the
-    concatenation of their weights; with the weights as step inputs that concatenation (~34 MB
-    for a V4-Flash CSA layer) ran on every step, 22 us a layer on the H200 (bench/RESULTS.md,
-    issue 9). Made here once (the layer's `step_weights()` keeps it while its parameters stay
-    the same arrays), the step gets the merged GEMM without the copy. Costs one more copy of
-    those weights in memory. Under a trace (`nnx.grad`) it is part of the program, as XLA's
-    merge was; gradients reach the separate parameters through it.
-    """
-    parts = input_projection_weights(weights)
-    if any(p is None for p in parts) or not isinstance(parts[0], jax.Array | jax.core.Tracer):
-        return weights.replace(input_proj=None)
-    dtype = jnp.result_type(*parts)
-    return weights.replace(input_proj=jnp.concatenate([p.astype(dtype) for p in parts], axis=1))
-
-
-@struct.dataclass
-class StageInputs:
-    """What the in-graph input GEMMs hand to stages 2-4 (one call's tokens)."""
-
-    q_residual: Array  # [B, S, Lq]   q_norm(x wq_a), also the indexer's query input
-    kv: Array  # [B, S, D]           kv_norm(x wkv), not rotated yet
-    compressor_kv: Array | None = None  # [B, S, n*D]
-    compressor_gate: Array | None = None
-    indexer_kv: Array | None = None  # [B, S, 2c]
-    indexer_gate: Array | None = None
-    indexer_weights: Array | None = None  # [B, S, nI] float32
-
-
-@struct.dataclass
-class StageOutputs:
-    q: Array  # [B, S, H, D] rotated queries
-    kv: Array  # [B, S, D]    rotated keys (= values) of this call
-    window: Array  # [B, W, D] window cache after the insert
-    compressor: CompressorCache | None = None
-    indexer: CompressorCache | None = None
-    picks: Array | None = None  # [B, S, K] int32, -1 = nothing (CSA)
-    index_scores: Array | None = None  # [B, S, T] float32 (CSA, only when intermediates are asked)
-
-
-@struct.dataclass
-class Intermediates:
-    """What `attn(..., return_intermediates=True)` also returns (None where a layer type lacks it).
-
-    index_scores    [B, S, T] float32  indexer scores over the entry slots, -inf where not visible (CSA)
-    topk            [B, S, K] int32    the indexer's picks, -1 = nothing (CSA)
-    compressed_kv   [B, T, D]          compressed entries after this call (CSA/HCA); rows
-                                       ``>= num_entries`` are empty slots
-    num_entries     [B] int32          entries that exist after this call
-    visible_entries [B, S] int32       entries each query may see, ``(t + 1) // m`` (CSA/HCA)
-    queries         [B, S, H, D]       rotated, normed attention queries
-    keys            [B, S, D]          rotated K=V of this call's tokens (with the window cache
-                                       before the call, every query's window keys)
-    sink_mass       [B, S, H] float32  share of each query's attention on the sink
-    window_mass     [B, S, H] float32  ... on its window keys
-    compressed_mass [B, S, H] float32  ... on compressed entries (0 on sliding layers)
-    """
-
-    queries: Array
-    keys: Array
-    sink_mass: Array
-    window_mass: Array
-    compressed_mass: Array
-    index_scores: Array | None = None
-    topk: Array | None = None
-    compressed_kv: Array | None = None
-    num_entries: Array | None = None
-    visible_entries: Array | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSpec:
-    """Everything static about a compiled step (hashable: a `jax.jit` static argument)."""
-
-    cfg: DeepseekV4Config
-    layer_type: str
-    plan: breaks.BreakPlan
-    dtype: Any  # compute dtype (jnp.dtype)
-    precision: Any = None
-    query_block: int = QUERY_BLOCK
-    return_intermediates: bool = False
-    checks: bool = False  # in-graph `checkify.check`s of positions and room (see `check_in_graph`)
-
-    # `jax.jit` hashes its static arguments on every dispatch: the dataclass hash (over the whole
-    # config) is computed once per spec and kept beside the fields (equal specs hash equal: the
-    # same function of the same fields). Not pickled: string hashes differ between processes.
-    def __hash__(self) -> int:
-        try:
-            return self.__dict__["_hash"]
-        except KeyError:
-            value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", value)
-            return value
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
-
-    @property
-    def ratio(self) -> int:
-        return self.cfg.compress_rate(self.layer_type)
-
-    @property
-    def rope_kind(self) -> str:
-        return self.cfg.rope_kind(self.layer_type)
-
-
-@functools.cache
-def _freqs(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
-    return inv_freq(cfg, kind)
-
-
-# ---------------------------------------------------------------------------- stages 2-4
-def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, frozen=None,
-                   count=None):
-    """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert
-    (rows in `frozen` unchanged; of a ragged call only each row's `count` real tokens are
-    inserted). Padded slots (position -1) get queries and keys too (fixed shapes), which
-    nothing reads."""
-    cfg, dtype = spec.cfg, spec.dtype
-    freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
-    q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
-    q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale,
-                   in_place=True)
-    kv = apply_rope(kv, positions, freqs, scale=scale)
-    return q, kv, insert_ring(window, kv, length, frozen, count)
-
-
-def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: AttentionWeights,
-               spec: StepSpec, select=None) -> StageOutputs:
-    """Stages 2-4 (`wq_b_kv_insert`, `compressor`, `indexer`); XLA or NumPy (see `breaks`).
-
-    `select` is the indexer's selection (default: the plan's; in-graph, the narrow host
-    break or the native handler); the wide break runs this whole function on the host with
-    the NumPy selection.
-    """
-    cfg = spec.cfg
-    select = select or spec.plan.indexer_select()
-    length = cache.length
-    # Ragged calls: row b has count[b] real tokens, then padded slots (position -1) that write
-    # nothing (scatter indices dropped) and that the indexer scores against no entry (visible 0).
-    count = real_tokens(positions)
-    # A row that would run past max_seq_len (possible only under a user's jit) writes nothing.
-    frozen = overflows(length, count, cache.max_seq_len)
-    compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
-    common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
-                  frozen=frozen, count=count, kernel=spec.plan.kernels.compress)
-
-    # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
-    with jax.named_scope("wq_b_kv_insert"):
-        q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
-                                       weights.q_b_proj, spec, frozen, count)
-    out = StageOutputs(q=q, kv=kv, window=window)
-    if spec.layer_type == SLIDING:
-        return out
-
-    cw = weights.compressor
-    with jax.named_scope("compressor"):
-        comp_state = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
-                              position_bias=cw.position_bias, kv_norm=cw.kv_norm,
-                              overlap=spec.layer_type == CSA, **common)
-    out = out.replace(compressor=comp_state)
-    if spec.layer_type == HCA:
-        return out
-
-    iw = weights.indexer
-    with jax.named_scope("indexer_compressor"):
-        index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
-                               position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
-                               overlap=True, **common)
-    # The indexer's input is detached, as in DeepSeek-V3.2: its own loss (`indexer_kl_loss`)
-    # trains the indexer only (its picks pass no gradient back to q_residual anyway).
-    q_in = inputs.q_residual
-    if not isinstance(q_in, np.ndarray):  # the wide break's host twin runs on NumPy arrays
-        q_in = jax.lax.stop_gradient(q_in)
-    with jax.named_scope("indexer_queries"):
-        queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
-                                n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
-                                precision=spec.precision)
-    visible = visible_entries(positions, spec.ratio)
-    with jax.named_scope("indexer_select"):
-        selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
-                          top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
-    return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
-
-
-def input_projections(x: Array, weights: AttentionWeights, cfg: DeepseekV4Config, dtype, prec) -> StageInputs:
-    """Stage 1: x [B, S, hidden] -> `StageInputs` (q_residual, kv; the compressors' kv and gate
-    and the indexer's head weights where the layer has them).
-
-    One GEMM over `weights.input_proj` where it is set (then split by the projections'
-    widths), else one GEMM per projection: the same products."""
-    if weights.input_proj is None:
-        outs = [einsum("bsh,hn->bsn", x, w, out_dtype=dtype, precision=prec) for w in input_projection_weights(weights)]
-    else:
-        fused = einsum("bsh,hn->bsn", x, weights.input_proj, out_dtype=dtype, precision=prec)
-        edges = np.cumsum([w.shape[1] for w in input_projection_weights(weights)])[:-1]
-        outs = jnp.split(fused, edges, axis=-1)
-    q_residual = rms_norm(outs[0], weights.q_a_norm, cfg.rms_norm_eps)
-    kv = rms_norm(outs[1], weights.kv_norm, cfg.rms_norm_eps)
-    inputs = StageInputs(q_residual=q_residual, kv=kv)
-    if weights.compressor is not None:
-        inputs = inputs.replace(compressor_kv=outs[2], compressor_gate=outs[3])
-    if weights.indexer is not None:
-        inputs = inputs.replace(indexer_kv=outs[4], indexer_gate=outs[5],
-                                indexer_weights=head_weights(outs[6], cfg.index_n_heads))
-    return inputs
-
-
-def stage_weights(weights: AttentionWeights) -> AttentionWeights:
-    """Only the parameters stages 2-4 read (what the wide break has to copy to the host).
-
-    The input projections of stage 1 and the output projections of stage 6 stay behind:
-    at V4-Flash sizes that is a third of the layer's weight bytes instead of all of them.
-    """
-    def compressor(w: CompressorWeights | None):
-        return None if w is None else w.replace(kv_proj=None, gate_proj=None)
-
-    return weights.replace(
-        q_a_proj=None, q_a_norm=None, kv_proj=None, kv_norm=None, o_a_proj=None, o_b_proj=None, sinks=None,
-        input_proj=None,
-        compressor=compressor(weights.compressor),
-        indexer=None if weights.indexer is None else weights.indexer.replace(
-            weights_proj=None, compressor=compressor(weights.indexer.compressor)),
-    )
-
-
-# ---------------------------------------------------------------------------- the step
-def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_states, positions,
-                   spec: StepSpec):
-    """One call of the layer as a pure function: (out [B, S, hidden], new cache, intermediates).
-
-    Pure and jittable; `DeepseekV4Attention.__call__` validates the inputs, then runs this
-    under `jax.jit` with `spec` static. `positions`: int [B, S] (see the module call), or None
-    for every row's next S positions from its cache length (`cache.next_positions`): a decode
-    loop's step then takes no positions argument, so the compiled step gets no new buffer for
-    them each call.
-
-    Nothing here can refuse a call, so two rules hold for values the eager checks would refuse:
-    a row whose call would run past ``cache.max_seq_len`` leaves its cache unchanged (length
-    included) and gets a NaN output (`cache.overflows`); positions that do not continue the
-    cache are not detected, unless ``spec.checks`` (then run the step under
-    `jax.experimental.checkify.checkify`; see `check_in_graph`).
-    """
-    cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
-    x = hidden_states.astype(dtype)
-    length = jnp.asarray(cache.length, jnp.int32)
-    positions = next_positions(length, x.shape[1]) if positions is None else positions.astype(jnp.int32)
-    cache = cache.replace(length=length)
-    if spec.checks:
-        check_in_graph(length, positions, cache.max_seq_len)
-
-    # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
-    with jax.named_scope("input_projections"):
-        inputs = input_projections(x, weights, cfg, dtype, prec)
-
-    # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
-    if spec.plan.mode == "wide":
-        stage_fn = functools.partial(run_stages, spec=spec, select=indexer.select_topk)
-        stages = breaks.wide_host_call(stage_fn, inputs, cache, positions, stage_weights(weights))
-    else:
-        stages = run_stages(inputs, cache, positions, weights, spec)
-
-    # 5. Sparse attention over [window | picked or visible entries] with the sink.
-    entries = stages.compressor.entries if stages.compressor is not None else None
-    visible = visible_entries(positions, spec.ratio) if spec.layer_type != SLIDING else None
-    with jax.named_scope("sparse_attention"):
-        pool, window_idx, in_place = key_pool(cache.window, stages.window, stages.kv, positions, length,
-                                              cfg.sliding_window)
-        attended = sparse_attention(
-            stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
-            entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
-            block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
-            kernels=spec.plan.kernels,
-        )
-
-    # 6. Inverse RoPE at the query position, grouped low-rank output projection.
-    with jax.named_scope("output_projection"):
-        out = output_projection(attended.o, positions, weights, spec)
-    count = real_tokens(positions)  # [B] real tokens per row (a ragged call pads with -1)
-    real = positions >= 0  # [B, S]
-    overflow = overflows(length, count, cache.max_seq_len)  # [B]; such rows were written nothing
-    # Padded slots output zeros: they see no key, so their attention output is 0 already; the
-    # select makes it the contract rather than a consequence (e.g. of a finite padded input).
-    # An overflowing row's real slots output NaN.
-    out = jnp.where(real[..., None], out, jnp.zeros((), out.dtype))
-    out = jnp.where(overflow[:, None, None] & real[..., None], jnp.asarray(jnp.nan, out.dtype), out)
-
-    new_length = jnp.where(overflow, length, advance_length(length, count))
-    new_cache = cache.replace(length=new_length, window=stages.window,
-                              compressor=stages.compressor, indexer=stages.indexer)
-    intermediates = None
-    if spec.return_intermediates:
-        def padded_zero(a):  # padded slots' queries, keys and masses are 0 (nothing was attended)
-            return jnp.where(real.reshape(*real.shape, *([1] * (a.ndim - 2))), a, jnp.zeros((), a.dtype))
-
-        intermediates = Intermediates(
-            queries=padded_zero(stages.q), keys=padded_zero(stages.kv), sink_mass=padded_zero(attended.sink_mass),
-            window_mass=padded_zero(attended.window_mass), compressed_mass=padded_zero(attended.compressed_mass),
-            index_scores=stages.index_scores, topk=stages.picks, compressed_kv=entries,
-            num_entries=None if entries is None else new_length // spec.ratio,
-            visible_entries=visible,
-        )
-    return out, new_cache, intermediates
-
-
-def check_in_graph(length, positions, max_seq_len: int) -> None:
-    """The eager value checks as `checkify.check`s, for steps traced under a user's jit.
-
-    Present only when ``StepSpec.checks`` (``DeepseekV4Attention(checkify=True)`` under a
-    user's jit); such a step must run under `jax.experimental.checkify.checkify`. The rules
-    and messages are `validation.check_positions`'s: positions >= -1; per row its real tokens
-    first, then padded slots (-1); at least one real token in the call; real tokens continue
-    the row's cache (``positions``); room left per row (``hidden_states``).
-    """
-    from jax.experimental import checkify
-
-    batch, seq = positions.shape
-    col = jnp.arange(seq, dtype=jnp.int32)[None, :]
-    low = jnp.any(positions < -1, axis=1)
-    row = jnp.argmax(low)
-    checkify.check(~jnp.any(low), "positions: expected values >= 0, or -1 for padded slots, got row {row} = "
-                   "[{first} .. {last}]", row=row, first=positions[row, 0], last=positions[row, -1])
-    real = positions >= 0
-    count = real.sum(axis=1).astype(jnp.int32)
-    mixed = jnp.any(real != (col < count[:, None]), axis=1)
-    row = jnp.argmax(mixed)
-    checkify.check(~jnp.any(mixed), "positions: expected row {row}'s real tokens first, then its padded slots "
-                   "(-1), got [{first} .. {last}]", row=row, first=positions[row, 0], last=positions[row, -1])
-    checkify.check(jnp.any(count > 0), "positions: expected at least one real token (>= 0) in the call, got only "
-                   f"padded slots (-1) in all {batch} rows")
-    expected = length[:, None] + col
-    wrong = jnp.any(real & (positions != expected), axis=1)  # [B]
-    row = jnp.argmax(wrong)
-    checkify.check(~jnp.any(wrong),
-                   "positions: expected row {row} to continue the cache at {start} ({start} .. {end}), "
-                   "got [{first} .. {last}]",
-                   row=row, start=length[row], end=length[row] + count[row] - 1,
-                   first=positions[row, 0], last=positions[row, -1])
-    over = length + count > max_seq_len
-    row = jnp.argmax(over)
-    checkify.check(~jnp.any(over),
-                   f"hidden_states: expected at most {{room}} new tokens (the cache holds {{held}} of "
-                   f"max_seq_len={max_seq_len}), got {{n}}" + (" in row {row}" if batch > 1 else ""),
-                   room=max_seq_len - length[row], held=length[row], n=count[row],
-                   **({"row": row} if batch > 1 else {}))
-
-
-def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
-    """Stage 6: o [B, S, H, D] -> de-rotated -> groups [B, S, G, H*D/G] -> wo_a -> wo_b [B, S, hidden]."""
-    cfg, dtype = spec.cfg, spec.dtype
-    o = apply_rope(o, positions[..., None], _freqs(cfg, spec.rope_kind), inverse=True,
-                   scale=attention_factor(cfg, spec.rope_kind), in_place=True)
-    grouped = o.reshape(*o.shape[:2], cfg.o_groups, -1)
-    z = einsum("bsgi,gir->bsgr", grouped, weights.o_a_proj, out_dtype=dtype, precision=spec.precision)
-    z = z.reshape(*z.shape[:2], -1)
-    return einsum("bsr,rh->bsh", z, weights.o_b_proj, out_dtype=dtype, precision=spec.precision)
-
-
-def finite_guard(hidden_states):
-    """The finite check of an eager call's accelerator input, run as its own small program just
-    before the step (`validation.finite_deferred`): (finite: bool scalar, written into pinned
-    host memory (`backend.to_host_memory`), hidden_states with a non-finite input zeroed).
-
-    The step runs on the guarded input, so nothing downstream (the native selection kernels, a
-    host break) ever sees a NaN; the call reads the verdict after dispatching the step and, if
-    it says so, drops the step's results and raises (the cache is not donated: unchanged). The
-    step itself is the layer's ordinary one (no second compiled step for the check). On the
-    H200 the call costs ~0.18 ms over the jitted step with this check, as it did with the
-    verdict computed inside the step and read after it (bench/RESULTS.md, "The decode window
-    read in place"): one more program or one more host-memory read, ~0.13 ms either way.
-    """
-    finite = jnp.all(jnp.isfinite(hidden_states))
-    return to_host_memory(finite), jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))
-
-
-# The compiled steps, module-level so that equal layers share compiled code (`StepSpec` static).
-_STEPS = {
-    False: jax.jit(attention_step, static_argnames=("spec",)),
-    True: jax.jit(attention_step, static_argnames=("spec",), donate_argnames=("cache",)),
-}
-_FINITE_GUARD = jax.jit(finite_guard)
-
-
-def step_function(donate: bool = False):
-    """The compiled `attention_step` the layer runs: ``step(weights, cache, x, positions, spec=spec)``.
-
-    `donate`: the version that donates the cache's buffers (``donate_cache=True``). Calling it
-    directly skips the layer's input checks and host length mirror (the returned cache's length
-    is the step's device array): the raw step, for benchmarks and tools.
-    """
-    return _STEPS[bool(donate)]
-
-
-def compiled_steps() -> int:
-    """How many versions of the layer's step have been compiled so far in this process (both
-    `step_function`s and their sharded twins, `sharding.step_function`; each call shape, dtype,
-    mesh and static option compiles one)."""
-    steps = [*_STEPS.values(), *(sharding.step_function(d) for d in (False, True))]
-    return sum(step._cache_size() for step in steps)
+from flax import nnx
+
+from . import breaks, call_path, sharding, validation
+from .backend import QUERY_BLOCK, Array
+from .cache import AttentionCache, init_attention_cache
+from .compressor import CompressorWeights
+from .config import CSA, HCA, DeepseekV4Config
+from .indexer import IndexerWeights
+from .step import DERIVED_WEIGHTS, AttentionWeights, StepSpec, fuse_input_projections
 
 
 # ---------------------------------------------------------------------------- NNX modules
@@ -552,56 +84,12 @@ class Indexer(nnx.Module):
         return _weights_of(self, IndexerWeights)
 
 
-# The device twin of each host length mirror an eager call made: id(mirror) -> (weak reference
-# to the mirror, its values when made (a list of ints), the step's device length). A mirror
-# changed in place, or one this layer did not make, is uploaded as before.
-_DEVICE_LENGTHS: dict[int, tuple] = {}
-
-
-def _remember_device_length(mirror: np.ndarray, device_length, values: list | None = None) -> None:
-    key = id(mirror)
-    _DEVICE_LENGTHS[key] = (weakref.ref(mirror, lambda _, k=key: _DEVICE_LENGTHS.pop(k, None)),
-                            mirror.tolist() if values is None else values, device_length)
-
-
-def _device_length(length, checked: list | None = None):
-    """The device twin of the host mirror `length` where it still holds the values it was made
-    with (`checked`: its values as the checks read them, else read here), else `length`."""
-    hit = _DEVICE_LENGTHS.get(id(length)) if type(length) is np.ndarray else None
-    if hit is None or hit[0]() is not length:
-        return length
-    if hit[1] != (length.tolist() if checked is None else checked):
-        return length
-    device = hit[2]
-    return length if getattr(device, "is_deleted", _not_deleted)() else device
-
-
-def _not_deleted() -> bool:
-    return False
-
-
-def _with(cache: AttentionCache, layer_idx: int, length) -> AttentionCache:
-    """``cache.replace(layer_idx=..., length=...)`` without `dataclasses.replace`'s field walk
-    (a copy of the instance's fields; only for `AttentionCache` itself, which has no
-    ``__post_init__``)."""
-    if type(cache) is not AttentionCache:
-        return cache.replace(layer_idx=layer_idx, length=length)
-    fields = cache.__dict__.copy()
-    fields["layer_idx"] = layer_idx
-    fields["length"] = length
-    new = object.__new__(AttentionCache)
-    object.__setattr__(new, "__dict__", fields)
-    return new
-
-
-# Per-layer memos of `weights()`, `step_spec()` and of the calls' static checks, outside the
-# modules (NNX would otherwise treat the cached arrays as part of the module's graph). Weak
-# keys: they go with the layer.
+# Per-layer memos of `weights()`, `step_weights()` and `step_spec()`, outside the modules (NNX
+# would otherwise treat the cached arrays as part of the module's graph). Weak keys: they go
+# with the layer. (The calls' memo is `call_path`'s.)
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _STEP_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights(), fused)
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MAX_CALL_KEYS = 64  # input structures remembered per layer (then the memo starts over)
 
 
 def _parameter_arrays(module: nnx.Module) -> list:
@@ -658,79 +146,22 @@ def _parameter_probe(module: nnx.Module):
     if not walk(module):
         return None
     plain = _PLAIN_GET is not None and all(type(p).get_raw_value is _PLAIN_GET for p in params)
-    return tuple(owners), tuple(names), tuple(held), tuple(params), tuple(raws), _RAW_SLOT if plain else _RAW_VALUE
+    return _Probe((tuple(owners), tuple(names), tuple(held), tuple(params), tuple(raws),
+                   _RAW_SLOT if plain else _RAW_VALUE))
 
 
-def _probe_holds(probe) -> bool:
-    """Every attribute still holds the object it held, every parameter the array it held."""
-    owners, names, held, params, raws, read = probe
-    return (all(map(operator.is_, map(dict.get, owners, names), held))
-            and all(map(operator.is_, map(read, params), raws)))
+class _Probe(tuple):
+    """A `_parameter_probe`: (attribute dicts, names, the objects they held, the parameters,
+    their arrays, how to read a parameter's array). The call path holds one beside the
+    `step_weights()` it made and asks it `holds()`."""
 
+    __slots__ = ()
 
-_LAYER_FIELDS = operator.attrgetter("config", "layer_idx", "layer_type", "break_mode", "break_on", "kernels",
-                                     "dtype", "param_dtype", "precision", "query_block", "donate_cache",
-                                     "checkify", "mesh", "sharding_rules")
-
-
-def _layer_state(layer) -> tuple:
-    """Everything of the layer that the static checks, the step's spec and its choice read,
-    with the mesh of an enclosing ``jax.set_mesh`` (compared by equality, which is identity for
-    unchanged attributes: a change of any of them starts the call memo over)."""
-    return _LAYER_FIELDS(layer), (_context_mesh() if layer.mesh is None else None)
-
-
-def _context_mesh():
-    """`sharding.context_mesh()`, shorter where there is none: JAX sets the abstract mesh with
-    every concrete one (`jax.set_mesh`, and its own jit and shard_map internals), so an empty
-    abstract mesh means no context mesh."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return None
-    return sharding.context_mesh()
-
-
-def _inputs_key(hidden_states, positions, return_intermediates) -> tuple | None:
-    """The structure of a call's arrays (classes, shapes, dtypes) and options: all that
-    `validation.check_call`'s static checks and the step's spec read of them. None for inputs
-    the memo does not take (tracers, other types)."""
-    concrete = validation._CONCRETE_TYPES
-    if not ((type(hidden_states) in concrete or validation.is_concrete_array(hidden_states))
-            and (type(positions) in concrete or validation.is_concrete_array(positions))):
-        return None
-    return (type(hidden_states), hidden_states.shape, hidden_states.dtype, type(positions), positions.shape,
-            positions.dtype, bool(return_intermediates))
-
-
-def _cache_key(cache) -> tuple | None:
-    """The structure of a cache (its static fields, the class of its length, its arrays' shapes,
-    dtype and mesh): all that the static checks, the spec and the step's choice read of it.
-    None for anything but an `AttentionCache`."""
-    if type(cache) is not AttentionCache:
-        return None
-    try:
-        window, comp = cache.window, cache.compressor
-        placed = getattr(window, "sharding", None)
-        key = (type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len, type(window),
-               window.shape, window.dtype, None if comp is None else comp.entries.shape, cache.indexer is None,
-               placed if isinstance(placed, jax.sharding.NamedSharding) else None)
-        hash(key)
-    except Exception:  # not arrays where the cache holds them: the checks word it
-        return None
-    return key
-
-
-class _CallMemo:
-    """A layer's memo of its eager calls: the layer state it holds for (`_layer_state`), the
-    (spec, step) of each input structure whose static checks passed, and the cache the last
-    call returned (weak reference, its structure key, its length mirror's values, the step's
-    device length), so that the next call on it skips reading the cache's structure again; and
-    the `step_weights()` with the probe of the parameters it was made from."""
-
-    __slots__ = ("entries", "last", "state", "weights")
-
-    def __init__(self, state):
-        self.state, self.entries, self.last = state, {}, None
-        self.weights = None  # (the `weights()` probe, the `step_weights()` of that pytree)
+    def holds(self) -> bool:
+        """Every attribute still holds the object it held, every parameter the array it held."""
+        owners, names, held, params, raws, read = self
+        return (all(map(operator.is_, map(dict.get, owners, names), held))
+                and all(map(operator.is_, map(read, params), raws)))
 
 
 def _weights_of(module: nnx.Module, cls):
@@ -897,7 +328,7 @@ class DeepseekV4Attention(nnx.Module):
         keeps a probe of the attributes, parameters and arrays it was built from, so that the
         check is a few identity comparisons rather than a walk of the modules."""
         hit = _WEIGHTS.get(self)
-        if hit is not None and hit[0] is not None and _probe_holds(hit[0]):
+        if hit is not None and hit[0] is not None and hit[0].holds():
             return hit[2]  # the same parameters still hold the same arrays
         arrays = _parameter_arrays(self)
         key = tuple(map(id, arrays))
@@ -924,6 +355,12 @@ class DeepseekV4Attention(nnx.Module):
         if hit is None or hit[0] is not weights:
             hit = _STEP_WEIGHTS[self] = (weights, fuse_input_projections(weights))
         return hit[1]
+
+    def _probed_step_weights(self) -> tuple:
+        """(the probe of the parameters `weights()` was made from, or None, `step_weights()`):
+        what the call path holds to reuse the pytree while the probe `holds()`."""
+        weights = self.step_weights()
+        return _WEIGHTS[self][0], weights
 
     @property
     def compute_dtype(self):
@@ -975,114 +412,7 @@ class DeepseekV4Attention(nnx.Module):
         ``checkify=True``, become `checkify` checks), and a call past `max_seq_len` leaves the
         cache unchanged and returns NaN (see `attention_step`).
         """
-        if positions is None:
-            positions = validation.positions_from_cache(self, hidden_states, cache)
-        memo = _CALLS.get(self)
-        if memo is not None:
-            last = memo.last
-            last = last if last is not None and last[0]() is cache else None  # the cache it returned
-            inputs = _inputs_key(hidden_states, positions, return_intermediates)
-            structure = last[1] if last is not None else _cache_key(cache)
-            if inputs is not None and structure is not None and memo.state == _layer_state(self):
-                hit = memo.entries.get((inputs, structure))
-                if hit is not None:  # the static checks passed for this structure: the value checks only
-                    finite = validation.finite_mode(self)
-                    deferred = hit[1] is _STEPS[False] and validation.finite_deferred(hidden_states, finite)
-                    before, after = validation.check_values(hidden_states, positions, cache.length,
-                                                            cache.max_seq_len, False if deferred else finite)
-                    if last is not None and last[2] == before and not getattr(last[3], "is_deleted", _not_deleted)():
-                        device_length = last[3]  # the mirror still holds what the step returned
-                    else:
-                        device_length = _device_length(cache.length, before)
-                    return self._run(memo, hit, hidden_states, positions, cache, return_intermediates,
-                                     before, after, device_length, deferred)
-        structure = _cache_key(cache)
-        inputs = None if structure is None else _inputs_key(hidden_states, positions, return_intermediates)
-        state = None if inputs is None else _layer_state(self)
-        # An accelerator input's finite check may be read after dispatch (decided below, once the
-        # step is known): the value checks before dispatch leave it out, the same checks in the same order.
-        finite = validation.finite_mode(self)
-        deferred = not self.donate_cache and validation.finite_deferred(hidden_states, finite)
-        spec, host_length, new_tokens = validation.check_call(self, hidden_states, positions, cache,
-                                                              return_intermediates, False if deferred else None)
-        if host_length is None and self.checkify:  # traced: the value checks go into the step
-            spec = dataclasses.replace(spec, checks=True)
-        if spec.plan.layout is None and host_length is not None and sharding.mesh_of(cache) is not None:
-            # An eager call on a cache sharded over a mesh the layer was not told about: run on
-            # that mesh (its breaks per batch shard) rather than gather the batch for them.
-            layout = sharding.layout(self.config, sharding.mesh_of(cache), self.sharding_rules)
-            spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, layout=layout))
-        if spec.plan.layout is not None:
-            sharding.check_batch(spec.plan.layout, hidden_states.shape[0])
-            step = sharding.step_function(self.donate_cache)
-        else:
-            step = step_function(self.donate_cache)
-        if host_length is None:
-            # Traced: the layer index is checked above and is no part of the computation.
-            with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
-                anonymous = cache.replace(layer_idx=-1, length=_device_length(cache.length))
-                out, new_cache, intermediates = step(self.step_weights(), anonymous, hidden_states, positions,
-                                                     spec=spec)
-            new_cache = new_cache.replace(layer_idx=cache.layer_idx)
-            return (out, new_cache, intermediates) if return_intermediates else (out, new_cache)
-        if state is not None:  # remember what passed: the next call of this structure checks values only
-            if memo is None or memo.state != state or len(memo.entries) >= _MAX_CALL_KEYS:
-                memo = _CALLS[self] = _CallMemo(state)
-            memo.entries[(inputs, structure)] = (spec, step)
-        if deferred and step is not _STEPS[False]:  # a sharded step: the check before dispatch after all
-            validation.check_finite("hidden_states", hidden_states, finite)
-            deferred = False
-        before = host_length.tolist()
-        after = advance_length(host_length, new_tokens).tolist()
-        return self._run(memo, (spec, step), hidden_states, positions, cache, return_intermediates, before, after,
-                         _device_length(cache.length, before), deferred)
-
-    def _run(self, memo, run, hidden_states, positions, cache: AttentionCache, return_intermediates,
-             before: list, after: list, device_length, finite_deferred: bool = False):
-        """Run the checked eager call: the compiled step, then the host length mirror.
-
-        `run`: (spec, step); `before`/`after`: the lengths the checks read and the lengths after
-        the call (lists); `device_length`: what the step gets for the length (the device twin of
-        the mirror where there is one, else the mirror); `finite_deferred`: run `finite_guard`
-        first and the step (the non-donating one) on its output, then raise the finite check's
-        error, the results dropped, if its verdict says so."""
-        spec, step = run
-        # The layer index is checked and is no part of the computation: leave it out of the
-        # compiled step's identity, so that layers of one type share one program.
-        # The step gets the device copy of the host length mirror where this layer made one
-        # (uploading the NumPy mirror would cost more dispatch time than the checks save).
-        anonymous = _with(cache, -1, device_length)
-        held = None if memo is None else memo.weights
-        if held is not None and _probe_holds(held[0]):
-            weights = held[1]  # what `step_weights()` returns while the probe holds, without its lookups
-        else:
-            weights = self.step_weights()
-            if memo is not None:
-                probe = _WEIGHTS[self][0]  # the probe of the pytree `step_weights()` was made from
-                memo.weights = None if probe is None else (probe, weights)
-        try:
-            step_input = hidden_states
-            if finite_deferred:
-                finite, step_input = _FINITE_GUARD(hidden_states)
-            out, new_cache, intermediates = step(weights, anonymous, step_input, positions, spec=spec)
-        except Exception:
-            with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
-                raise
-        # The host mirror of the step's new length (see `dsv4_jax.cache`): the next call's
-        # checks need no device round trip; the step's own length is kept beside it.
-        # (This runs while the device computes.)
-        mirror = np.array(after, np.int32)
-        if finite_deferred and not bool(finite):  # nothing of the call is kept: the cache is the caller's
-            validation.reject_non_finite("hidden_states", hidden_states, ran=True)
-        device_length = new_cache.length
-        _remember_device_length(mirror, device_length, after)
-        new_cache = _with(new_cache, cache.layer_idx, mirror)
-        if memo is not None:
-            structure = _cache_key(new_cache)
-            memo.last = None if structure is None else (weakref.ref(new_cache), structure, after, device_length)
-        if return_intermediates:
-            return out, new_cache, intermediates
-        return out, new_cache
+        return call_path.call(self, hidden_states, positions, cache, return_intermediates)
 
 
 _FIELD_NAMES.update({

@@ -115,7 +115,7 @@ class BreakPlan:
     kernels: KernelPlan = REFERENCE
 
     def indexer_select(self) -> Callable[..., Any]:
-        """The `select_topk` that `attention.run_stages` calls for this plan."""
+        """The `select_topk` that `step.run_stages` calls for this plan."""
         if self.native_select:
             select = functools.partial(_select_native, graph=self.mode == "none")
         elif self.mode == "narrow":

@@ -221,6 +221,18 @@ class DeepseekV4Config:
         )
         return cls(**{**base, **overrides})
 
+    @classmethod
+    def small(cls, **overrides: Any) -> DeepseekV4Config:
+        """A scaled-down V4 for benchmarks on a CPU (the benchmarks' ``--size small``): hidden 1024,
+        16 heads x 128 (rope 64), q_lora 256, 4 output groups x 256, window 128, indexer 16 x 64
+        with top-128, one layer of each type at V4's ratios (4 and 128)."""
+        base = dict(
+            hidden_size=1024, num_attention_heads=16, head_dim=128, qk_rope_head_dim=64, q_lora_rank=256,
+            o_groups=4, o_lora_rank=256, sliding_window=128, index_n_heads=16, index_head_dim=64,
+            index_topk=128, layer_types=(SLIDING, CSA, HCA),
+        )
+        return cls(**{**base, **overrides})
+
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DeepseekV4Config:

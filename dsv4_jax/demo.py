@@ -21,9 +21,10 @@ import numpy as np
 from flax import nnx
 
 from . import native
-from .attention import DeepseekV4Attention, attention_step
+from .attention import DeepseekV4Attention
 from .breaks import BREAK_MODES, plan_break
 from .config import CSA, DeepseekV4Config
+from .step import attention_step
 
 
 def _timed(fn, *args, **kwargs):
@@ -83,22 +84,31 @@ def run_layer(cfg: DeepseekV4Config, layer_idx: int, x: np.ndarray, prompt: int,
     print(f"  prefill {prompt} + {steps} decode steps vs one-shot prefill of all {total}: rel err {err:.1e}")
 
 
+def stack_step(weights, caches, hidden_states, positions, specs):
+    """A stack of layers as one pure function, ``h = h + attention(layer_i, h)`` for each layer
+    in order: `weights`, `caches` and `specs` hold one entry a layer (`attn.step_weights()`, the
+    pure step's caches, `attn.step_spec()`); `positions` int [B, S] or None (each row's next
+    positions from each layer's cache length). hidden_states [B, S, hidden] -> (the same shape,
+    the new caches). `stack_decode_step` jits it for decoding; bench/stack.py times its variants."""
+    h = hidden_states
+    new_caches = []
+    for w, cache, spec in zip(weights, caches, specs):
+        out, cache, _ = attention_step(w, cache, h, positions, spec)
+        h = h + out.astype(h.dtype)
+        new_caches.append(cache)
+    return h, new_caches
+
+
 @functools.partial(jax.jit, static_argnames=("specs",), donate_argnames=("caches", "hidden_states"))
 def stack_decode_step(weights, caches, hidden_states, specs):
-    """One decode step of a stack of layers, ``h = h + attention(layer_i, h)``, as one program.
+    """One decode step of a stack of layers (`stack_step`) as one program.
 
     No positions argument (``positions=None``: each row's next position from each layer's cache
     length) and the caches and hidden states donated: fed its own output, the step gets the same
     buffers every call, so on a GPU XLA replays its CUDA graph without re-recording any command
-    (bench/RESULTS.md, "Same buffers every step"). hidden_states [B, 1, hidden] -> (the same
-    shape, the new caches)."""
-    h = hidden_states
-    new_caches = []
-    for w, cache, spec in zip(weights, caches, specs):
-        out, cache, _ = attention_step(w, cache, h, None, spec)
-        h = h + out.astype(h.dtype)
-        new_caches.append(cache)
-    return h, new_caches
+    (docs/journal/RESULTS_2026-11-30_to_2026-12-02.md, "Same buffers every step").
+    hidden_states [B, 1, hidden] -> (the same shape, the new caches)."""
+    return stack_step(weights, caches, hidden_states, None, specs)
 
 
 def run_stack(cfg: DeepseekV4Config, x: np.ndarray, prompt: int, steps: int) -> None:

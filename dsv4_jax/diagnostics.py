@@ -1,7 +1,7 @@
 """Analysis helpers for the intermediates of `DeepseekV4Attention` (the notebooks use them).
 
 Everything here reads what ``attn(x, positions, cache, return_intermediates=True)`` returns
-(an `Intermediates`, see the README, "Looking inside: intermediates") and computes on the host, in NumPy and
+(an `Intermediates`, see docs/intermediates.md) and computes on the host, in NumPy and
 float32. Nothing here changes the layer or its compiled step. The functions are pure, except
 `run_schedule` (it calls a layer) and `last_query_key_set` (it reads a layer's config and
 sink logits).
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .attention import Intermediates
 from .config import CSA, HCA, SLIDING
+from .step import Intermediates
 
 __all__ = [
     "KeySet", "compressed_logits", "concat_intermediates", "dense_compressed_probs", "dense_masses",

@@ -50,10 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import native
-from .attention import AttentionWeights, DeepseekV4Attention, Intermediates, StepSpec, attention_step
+from .attention import DeepseekV4Attention
 from .cache import AttentionCache, CompressorCache
 from .compressor import CompressorWeights
 from .indexer import IndexerWeights
+from .step import AttentionWeights, Intermediates, StepSpec, attention_step
 
 PYTREES = (AttentionWeights, CompressorWeights, IndexerWeights, AttentionCache, CompressorCache, Intermediates)
 

@@ -58,7 +58,7 @@ class IndexerWeights:
 
 def head_weights(projected: Array, n_heads: int) -> Array:
     """Per-query head weights ``(x Wproj) * nI^-1/2`` from the projection ``x Wproj``
-    [B, S, nI] (one of the layer's input GEMMs, `attention.input_projections`) -> float32."""
+    [B, S, nI] (one of the layer's input GEMMs, `step.input_projections`) -> float32."""
     return projected.astype(np.float32) * (n_heads**-0.5)
 
 
@@ -130,7 +130,7 @@ def _select_seen(select_block, queries, weights, keys, visible, top_k, with_scor
     """`select_topk` in NumPy over each row's span of queries with ``visible > 0`` only; the
     others get what the full computation gives them (-1 picks, -inf scores). The same formula on
     a slice: a float32 score may round differently in its last bit, as between any two call
-    shapes of NumPy's einsum (the caveat of the README's "Same picks, same outputs")."""
+    shapes of NumPy's einsum (the caveat of "Same picks, same outputs" in docs/breaks_and_kernels.md)."""
     batch, seq = visible.shape
     picks = np.full((batch, seq, top_k), -1, np.int32)
     scores = np.full((batch, seq, keys.shape[1]), -np.inf, np.float32) if with_scores else None

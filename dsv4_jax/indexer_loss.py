@@ -46,7 +46,7 @@ and wide modes the scores come back from a host break, and with the native kerne
 FFI call; both cut them from differentiation, so this loss then has zero gradient.
 The indexer's queries are computed from the attention's q_residual (``q_a_proj``,
 ``q_a_norm``); as in DeepSeek-V3.2, the step is meant to detach it where it enters the
-indexer (`lax.stop_gradient` in `attention.run_stages`), so that this loss trains the
+indexer (`lax.stop_gradient` in `step.run_stages`), so that this loss trains the
 indexer's parameters only (``q_b_proj``, ``weights_proj`` and its key compressor).
 
 >>> out, cache, inter = dsv4_jax.attention_step(weights, cache, x, positions, spec)  # CSA, intermediates on
@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
-from .attention import Intermediates
+from .step import Intermediates
 
 OVER = ("topk", "visible")
 

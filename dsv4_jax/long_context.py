@@ -12,7 +12,7 @@ and only one chunk's temporaries exist at a time: `prefill` does that, with chun
   layer's compression ratio): the entries grow with `max_seq_len`; the window ring, the
   compressors' rings and the length do not.
 * `cache_table` / `cache_table_markdown`: those figures per layer type of a config, and what a
-  context of `max_seq_len` tokens costs a whole model (the README's "Long context" tables).
+  context of `max_seq_len` tokens costs a whole model (the tables of docs/long_context.md).
 * `prefill_chunk_terms` / `prefill_chunk_bytes`: an estimate of one chunk's device memory, term
   by term (see `prefill_chunk_terms`); `prefill_chunk_size`: the largest chunk within a budget.
 * `prefill(layers, hidden_states, caches)`: the chunked prefill; returns what one call returns.
@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import DeepseekV4Attention
 from .backend import QUERY_BLOCK
 from .cache import AttentionCache, cache_nbytes, init_attention_cache
 from .config import CSA, HCA, LAYER_TYPES, SLIDING, DeepseekV4Config
@@ -388,8 +389,6 @@ _WRITE_CHUNK = jax.jit(_write_chunk, donate_argnums=0)
 
 
 def _check_prefill(layers, hidden_states, caches) -> None:
-    from .attention import DeepseekV4Attention
-
     if not layers:
         raise ValueError("layers: expected a DeepseekV4Attention or a non-empty sequence of them, got none")
     for i, layer in enumerate(layers):
@@ -445,8 +444,6 @@ def prefill(layers, hidden_states, caches, *, chunk_size: int | None = None, mem
     valid unless the layers donate their caches (``donate_cache=True``); a prompt longer than a
     cache's room is refused before any chunk runs (`ValueError` naming ``hidden_states``).
     """
-    from .attention import DeepseekV4Attention
-
     single = isinstance(layers, DeepseekV4Attention)
     layer_list = [layers] if single else list(layers)
     cache_list = [caches] if single else list(caches)
@@ -481,11 +478,11 @@ def prefill(layers, hidden_states, caches, *, chunk_size: int | None = None, mem
 
 
 def readme_tables() -> list[str]:
-    """The README's "Long context" tables, computed: the caches of V4-Flash and V4-Pro at
+    """The tables of docs/long_context.md, computed: the caches of V4-Flash and V4-Pro at
     1,048,576 tokens (bf16, one sequence), and `prefill_chunk_size` for a V4-Flash stack of CSA
     and HCA layers (bf16, B = 1, a 1,048,576-token cache, the caches donated, the native indexer
     as on a GPU where it is built) within 16, 40 and 100 GiB. `python -m dsv4_jax.long_context`
-    prints them; `tests/test_long_context.py` checks the README holds them."""
+    prints them; `tests/test_long_context.py` checks docs/long_context.md holds them."""
     context = 1 << 20
     flash = DeepseekV4Config.flash()
     return [

@@ -34,7 +34,8 @@ its result is shared with the others by a ``psum`` over ``"model"`` (the others 
 the host sees each batch row once per step; the native device break runs on every device of
 the shard (it is on-device work on data each device already holds, and avoids waiting for a
 collective). Everything else is ordinary XLA SPMD, steered by sharding constraints on the
-step's inputs and outputs (`sharded_attention_step`): outputs and every cache leaf keep
+step's inputs and outputs (`constrain_inputs`, `constrain_outputs`, which
+`step.sharded_attention_step` applies): outputs and every cache leaf keep
 their sharding.
 
 The indexer's heads: its selection needs the score summed over *all* indexer heads
@@ -88,7 +89,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("index_heads", None),  # the indexer's heads: replicated (see the module docstring)
 )
 
-# The logical axes of the step's intermediates (`attention.Intermediates`); missing fields: batch only.
+# The logical axes of the step's intermediates (`step.Intermediates`); missing fields: batch only.
 _INTERMEDIATE_AXES = {
     "queries": ("batch", None, "heads", None),
     "sink_mass": ("batch", None, "heads"),
@@ -327,7 +328,7 @@ def shard_cache(cache: AttentionCache, mesh, rules=None) -> AttentionCache:
     return placed.replace(length=length if isinstance(length, np.ndarray) else place(length, specs.length))
 
 
-# ---------------------------------------------------------------------------- the step
+# ---------------------------------------------------------------------------- the step's constraints
 def _constrain(lay: MeshLayout, x, spec: P):
     return jax.lax.with_sharding_constraint(x, lay.sharding(spec))
 
@@ -336,42 +337,28 @@ def _constrain_cache(lay: MeshLayout, cache: AttentionCache) -> AttentionCache:
     return jax.tree.map(lambda a, s: _constrain(lay, a, s), cache, _cache_specs(lay, cache))
 
 
-def sharded_attention_step(weights, cache, hidden_states, positions, spec):
-    """`dsv4_jax.attention_step` with its inputs and outputs constrained to the plan's layout.
-
-    ``spec.plan.layout`` (a `MeshLayout`) must be set (the layer's `step_spec` sets it when it
-    has a mesh). The hidden states, positions, output and every cache leaf are batch-sharded
-    (``"data"``); the intermediates' head axes are split over ``"model"``; the weights come as
-    they are placed (`shard_layer`). Same (out, new cache, intermediates) as `attention_step`.
-    """
-    from .attention import attention_step  # attention imports this module
-
-    lay = spec.plan.layout
+def constrain_inputs(lay: MeshLayout, hidden_states, positions, cache: AttentionCache):
+    """The step's inputs constrained to `lay` (`step.sharded_attention_step`): hidden states,
+    positions and every cache leaf batch-sharded (the cache's length as an int32 array)."""
     batch = lay.spec("batch")
     hidden_states = _constrain(lay, hidden_states, batch)
     positions = _constrain(lay, jnp.asarray(positions), batch)
     cache = _constrain_cache(lay, cache.replace(length=jnp.asarray(cache.length, jnp.int32)))
-    out, new_cache, intermediates = attention_step(weights, cache, hidden_states, positions, spec)
-    out = _constrain(lay, out, batch)
-    new_cache = _constrain_cache(lay, new_cache)
+    return hidden_states, positions, cache
+
+
+def constrain_outputs(lay: MeshLayout, out, cache: AttentionCache, intermediates):
+    """The step's outputs constrained to `lay`: the output and every cache leaf batch-sharded,
+    the intermediates' head axes split over ``"model"`` (`_INTERMEDIATE_AXES`)."""
+    out = _constrain(lay, out, lay.spec("batch"))
+    cache = _constrain_cache(lay, cache)
     if intermediates is not None:
         intermediates = intermediates.replace(**{
             f.name: _constrain(lay, getattr(intermediates, f.name),
                                lay.spec(*_INTERMEDIATE_AXES.get(f.name, ("batch",))))
             for f in dataclasses.fields(intermediates) if getattr(intermediates, f.name) is not None
         })
-    return out, new_cache, intermediates
-
-
-_STEPS = {
-    False: jax.jit(sharded_attention_step, static_argnames=("spec",)),
-    True: jax.jit(sharded_attention_step, static_argnames=("spec",), donate_argnames=("cache",)),
-}
-
-
-def step_function(donate: bool = False):
-    """The compiled `sharded_attention_step` (the layer runs it when it has a mesh)."""
-    return _STEPS[bool(donate)]
+    return out, cache, intermediates
 
 
 # ---------------------------------------------------------------------------- per-shard breaks
@@ -412,11 +399,11 @@ __all__ = [
     "MODEL",
     "MeshLayout",
     "cache_partition_specs",
+    "constrain_inputs",
+    "constrain_outputs",
     "make_mesh",
     "param_partition_specs",
     "run_per_shard",
     "shard_cache",
     "shard_layer",
-    "sharded_attention_step",
-    "step_function",
 ]

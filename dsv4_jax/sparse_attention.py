@@ -115,7 +115,8 @@ def sparse_attention(
                XLA path reads the pool as the window keys, masked, instead of gathering a copy
     kernels:   the step's `KernelPlan` (its ``decode_attention`` / ``prefill_attention``):
                without attention masses, `sparse_attention_kernel` may run instead of the XLA
-               path; it differentiates as the XLA path (`backend.differentiated_as`)
+               path; its gradient is `sparse_attention_backward`'s kernel or the XLA path's VJP
+               (``attention_backward``), the XLA path's gradient either way
     """
     if window_in_place and (q.shape[1] != 1 or window_idx.shape[-1] != pool.shape[1]):
         raise ValueError(f"window_in_place: expected one query per row and a pool of the window's "

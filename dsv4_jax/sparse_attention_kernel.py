@@ -54,7 +54,8 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 
 # Where the kernel is the CUDA default, and with which (block_keys, block_heads, num_warps, num_stages),
 # keyed by (layer kind, phase, batch) with batch None for every batch: the cases it beat the
-# XLA path in, on the operation alone (bench/decode_kernel.py, H200, V4-Flash bf16), us per op:
+# XLA path in, on the operation alone (measured with the op-level harness of the time, see the journal,
+# docs/journal/RESULTS_2026-11-30_to_2026-12-02.md; H200, V4-Flash bf16), us per op:
 #   decode (results/h200_decode_kernel_blocks_2026-12-01.json):
 #     CSA B = 1:  24.7 (bk 16, bh 32) against 28.9     HCA B = 1:  20.2 (bk 32, bh 16) against 30.3
 #     CSA B = 32: 58.6 at best against 56.8            HCA B = 32: 37.7 at best against 31.7

@@ -18,12 +18,12 @@ Non-finite hidden_states (NaN, +-inf) are rejected: let through, they would be w
 the window and compressor caches and poison every later call. The check is a host scan for
 NumPy and host-resident inputs (about 2 us for a decode token of 4096 values). An accelerator
 array is checked by a small program dispatched just before the step (`finite_deferred`,
-`attention.finite_guard`): it writes its verdict into pinned host memory and zeroes such an
+`call_path.finite_guard`): it writes its verdict into pinned host memory and zeroes such an
 input, the step runs on its output, and the call reads the verdict once the step is
 dispatched, drops the results and raises the same error (the cache passed in is untouched;
 ~0.13 ms a call on an H200). A layer that donates its cache cannot drop a call's results, so
 there the check stays one jitted `isfinite().all()` reduction and its read before dispatch (on an H200,
-V4-Flash decode, +0.4-0.5 ms per call; the README's misuse section has the measurements). It is
+V4-Flash decode, +0.4-0.5 ms per call; docs/misuse.md has the measurements). It is
 set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
 ``attn.check_finite`` (None: the module-level `CHECK_FINITE`, True unless changed):
 
@@ -410,7 +410,7 @@ def finite_deferred(value: Any, mode: bool | str) -> bool:
     """Whether the finite check of `value` under `mode` is one to read after dispatch (a
     concrete `jax.Array` on an accelerator, mode True): a small program computes the verdict
     into pinned host memory and zeroes a non-finite input just before the step runs on it
-    (`attention.finite_guard`), and the call reads the verdict once the step is dispatched,
+    (`call_path.finite_guard`), and the call reads the verdict once the step is dispatched,
     instead of waiting for a reduction's device round trip before dispatch. NumPy and
     host-resident inputs are scanned on the host."""
     if mode is not True:

@@ -59,15 +59,13 @@ _YARN = YarnScaling(factor=16.0, original_max_position_embeddings=64)
 _LAYERS = (SLIDING, CSA, HCA)
 
 RECORDINGS = {
+    # `DeepseekV4Config.tiny()` but for its indexer: 2 heads and top-3 (tiny's: 4 heads, top-4).
     "tiny_seed1.npz": Recording(
-        DeepseekV4Config(
-            hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2,
-            o_lora_rank=16, sliding_window=8, index_n_heads=2, index_head_dim=16, index_topk=3,
-            layer_types=_LAYERS, csa_compress_rate=4, hca_compress_rate=8, compress_rope_scaling=_YARN,
-            max_position_embeddings=4096,
-        ),
+        DeepseekV4Config.tiny(index_n_heads=2, index_topk=3),
         schedule=(9, 1, 1, 1, 6, 1, 1), batch=1, seed=1,
     ),
+    # A config of its own, 4x tiny's width (not `DeepseekV4Config.small()`, the benchmarks'
+    # 1024-wide one): every size differs from both presets.
     "small_seed0.npz": Recording(
         DeepseekV4Config(
             hidden_size=256, num_attention_heads=8, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128, o_groups=4,

@@ -1,4 +1,5 @@
-"""Test helpers: the recorded reference runs (tests/data), layer builders, schedules."""
+"""Test helpers: the recorded reference runs (tests/data), layer builders, the execution modes,
+the jobs run beside the session. (A layer over a schedule of calls: `dsv4_jax.diagnostics.run_schedule`.)"""
 
 from __future__ import annotations
 
@@ -111,25 +112,6 @@ def random_layer(cfg, layer: int, seed: int = 0, break_mode: str = "narrow", **k
             arr = 1.0 + 0.2 * rng.normal(size=arr.shape)
         var[...] = jnp.asarray(arr, var[...].dtype)
     return attn
-
-
-def run_schedule(attn, hidden: np.ndarray, schedule, max_seq_len: int | None = None, **call_kwargs):
-    """Feed `hidden` [B, N, hidden] in chunks of `schedule`; returns (outputs [B, N, hidden], results, cache).
-
-    results: per call, whatever the layer returned after (out, cache) (e.g. intermediates).
-    """
-    batch, total = hidden.shape[:2]
-    assert sum(schedule) == total
-    cache = attn.init_cache(batch, max_seq_len or total)
-    outs, extras, start = [], [], 0
-    for n in schedule:
-        pos = np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (batch, n))
-        res = attn(jnp.asarray(hidden[:, start:start + n]), pos, cache, **call_kwargs)
-        out, cache = res[0], res[1]
-        outs.append(np.asarray(out, np.float32))
-        extras.append(res[2:])
-        start += n
-    return np.concatenate(outs, axis=1), extras, cache
 
 
 def rel_err(a, b) -> float:

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import EXECUTIONS, execution, golden_layer, pad_picks, random_layer, rel_err, run_schedule
+from helpers import EXECUTIONS, execution, golden_layer, pad_picks, random_layer, rel_err
 
 import dsv4_jax
-from dsv4_jax.attention import compiled_steps
+from dsv4_jax.diagnostics import run_schedule
+from dsv4_jax.step import compiled_steps
 
 MODES = tuple(EXECUTIONS)  # none (XLA reference), none-native, narrow-host, narrow-device, wide
 TOL = 2e-5
@@ -65,13 +66,14 @@ def test_golden_scores_match_reference(small, mode):
 # ---------------------------------------------------------------------------- schedules and modes
 # One set of runs serves the schedule and mode tests below (compiling is the slow part: every
 # call length compiles a step per layer and mode, so the chunked schedule, which every mode runs,
-# reuses the lengths of the other schedules (1, 3) where it can; its chunk ends fall inside
-# windows (13, 17, 18, 31) and on their edges (16)).
+# reuses the lengths of the other schedules (1, 3) where it can, and short_first reuses the
+# chunked schedule's 22; their chunk ends fall inside windows (13, 17, 18, 31, 28, 50) and on
+# their edges (16)).
 SEQ = 53
 SCHEDULES = {
     "one_shot": [SEQ],
     "chunked": [13, 3, 1, 1, 13, 22],
-    "short_first": [3, 1, 1, 1, 47],
+    "short_first": [3, 1, 1, 1, 22, 22, 3],
     "token_by_token": [1] * SEQ,
 }
 
@@ -85,7 +87,7 @@ def long_input():
 
 @pytest.fixture(scope="module")
 def runs(long_input):
-    """(layer, mode, schedule) -> (outputs [B, N, hidden], per-call intermediates, final cache).
+    """(layer, mode, schedule) -> (outputs [B, N, hidden], the schedule's intermediates, final cache).
 
     Every schedule in narrow mode (the default, "narrow" below: the device break where the
     native handlers are built, else the host one); the chunked schedule in every execution
@@ -101,24 +103,20 @@ def runs(long_input):
             attn = random_layer(cfg, layer, seed=5, **kwargs)
             for name, schedule in SCHEDULES.items():
                 if mode == "narrow" or name == "chunked":
-                    out, extras, cache = run_schedule(attn, x, schedule, return_intermediates=True)
-                    results[layer, mode, name] = out, [e[0] for e in extras], cache
+                    out, cache, inter = run_schedule(attn, x, schedule)
+                    results[layer, mode, name] = out, inter, cache
     return results
-
-
-def concat_picks(inters):
-    return np.concatenate([np.asarray(i.topk) for i in inters], axis=1)
 
 
 def test_all_execution_modes_agree_on_csa(runs):
     """Same picks in every mode; outputs bit-identical wherever only the selection moves."""
-    base_out, base_inters, _ = runs[1, "none", "chunked"]
+    base_out, base_inter, _ = runs[1, "none", "chunked"]
     compared = 0
     for mode in MODES:
         if mode == "none" or (1, mode, "chunked") not in runs:
             continue
-        out, inters, _ = runs[1, mode, "chunked"]
-        np.testing.assert_array_equal(concat_picks(inters), concat_picks(base_inters),
+        out, inter, _ = runs[1, mode, "chunked"]
+        np.testing.assert_array_equal(inter.topk, base_inter.topk,
                                       err_msg=f"picks differ: none vs {mode}")
         if mode == "wide":  # the wide break runs the same stage math in NumPy instead of XLA
             assert rel_err(out, base_out) < 1e-6
@@ -168,11 +166,11 @@ def test_break_mode_can_be_switched_between_calls(long_input, runs):
 @pytest.mark.parametrize("schedule", ["chunked", "short_first", "token_by_token"])
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
 def test_output_does_not_depend_on_chunking(runs, layer, schedule):
-    one_shot, ref_inters, ref_cache = runs[layer, "narrow", "one_shot"]
-    out, inters, cache = runs[layer, "narrow", schedule]
+    one_shot, ref_inter, ref_cache = runs[layer, "narrow", "one_shot"]
+    out, inter, cache = runs[layer, "narrow", schedule]
     assert rel_err(out, one_shot) < TOL
     if layer == 1:
-        np.testing.assert_array_equal(concat_picks(inters), concat_picks(ref_inters))
+        np.testing.assert_array_equal(inter.topk, ref_inter.topk)
     # The caches end in the same state too (entries are never recomputed, only appended).
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
@@ -190,10 +188,10 @@ def test_decode_matches_teacher_forced_prefill(runs):
 def test_picks_obey_causality_and_count(runs, long_input):
     """A query never picks an unfinished window; it gets min(top-k, visible) distinct picks."""
     cfg, _ = long_input
-    _, inters, _ = runs[1, "narrow", "token_by_token"]
+    _, inter, _ = runs[1, "narrow", "token_by_token"]
     m, k = cfg.csa_compress_rate, cfg.index_topk
-    for t, inter in enumerate(inters):
-        picks = np.asarray(inter.topk)[:, 0]  # [B, K]
+    for t in range(SEQ):
+        picks = inter.topk[:, t]  # [B, K], of the call that ran query t alone
         visible = (t + 1) // m
         for row in picks:
             valid = row[row >= 0]
@@ -219,8 +217,9 @@ def test_ties_go_to_the_lower_entry_index(long_input, runs):
             continue  # a native mode where the handlers are not built
         attn = random_layer(cfg, 1, seed=2, **EXECUTIONS[mode])
         attn.indexer.weights_proj[...] = jnp.zeros_like(attn.indexer.weights_proj[...])
-        _, extras, _ = run_schedule(attn, x, [SEQ], return_intermediates=True)
-        picks = np.asarray(extras[0][0].topk)
+        # The chunked schedule: the steps `runs` compiled for every mode (no compile of its own).
+        _, _, inter = run_schedule(attn, x, SCHEDULES["chunked"])
+        picks = inter.topk
         for t in range(SEQ):
             n = min(cfg.index_topk, (t + 1) // cfg.csa_compress_rate)
             expected = list(range(n)) + [-1] * (cfg.index_topk - n)
@@ -232,8 +231,8 @@ def test_short_context_pads_with_minus_one():
     cfg = dsv4_jax.DeepseekV4Config.tiny(index_topk=64)
     attn = random_layer(cfg, 1, seed=4)
     x = np.random.default_rng(0).normal(size=(1, 10, cfg.hidden_size)).astype(np.float32)
-    _, extras, _ = run_schedule(attn, x, [6, 1, 3], max_seq_len=12, return_intermediates=True)
-    picks = np.concatenate([np.asarray(e[0].topk) for e in extras], axis=1)[0]
+    _, _, inter = run_schedule(attn, x, [6, 1, 3], max_seq_len=12)
+    picks = inter.topk[0]
     assert picks.shape == (10, 64)
     for t in range(10):
         n = (t + 1) // 4
@@ -283,9 +282,9 @@ def test_donated_cache_gives_the_same_result(long_input, runs):
     # The same schedule without donation: the same compiled shapes, so bit-identical outputs
     # (another schedule compiles other shapes, whose XLA:CPU code may round differently).
     kept = random_layer(cfg, 2, seed=5)
-    ref, _, _ = run_schedule(kept, x[:, :14], [13, 1], max_seq_len=SEQ, return_intermediates=True)
+    ref, _, _ = run_schedule(kept, x[:, :14], [13, 1], max_seq_len=SEQ)
     attn = random_layer(cfg, 2, seed=5, donate_cache=True)
-    out, _, _ = run_schedule(attn, x[:, :14], [13, 1], max_seq_len=SEQ, return_intermediates=True)
+    out, _, _ = run_schedule(attn, x[:, :14], [13, 1], max_seq_len=SEQ)
     np.testing.assert_array_equal(out, ref)
     assert rel_err(out, runs[2, "narrow", "chunked"][0][:, :14]) < 1e-6
 
@@ -294,12 +293,12 @@ def test_query_blocks_do_not_change_the_result(long_input, runs):
     """Long prefills run the indexer scoring and sparse attention in query blocks (a lax.map)."""
     cfg, x = long_input
     for layer in (1, 2):
-        ref, ref_inters, _ = runs[layer, "narrow", "one_shot"]
+        ref, ref_inter, _ = runs[layer, "narrow", "one_shot"]
         blocked = random_layer(cfg, layer, seed=5, query_block=7)
-        out, extras, _ = run_schedule(blocked, x, [SEQ], return_intermediates=True)
+        out, _, inter = run_schedule(blocked, x, [SEQ])
         assert rel_err(out, ref) < 1e-6
         if layer == 1:
-            np.testing.assert_array_equal(np.asarray(extras[0][0].topk), np.asarray(ref_inters[0].topk))
+            np.testing.assert_array_equal(inter.topk, ref_inter.topk)
 
 
 @pytest.mark.parametrize("layer_type", [dsv4_jax.SLIDING, dsv4_jax.CSA, dsv4_jax.HCA])
@@ -308,7 +307,7 @@ def test_fused_input_projections_equal_the_separate_ones(layer_type):
     by side (`input_proj`, made once: one GEMM per step without XLA concatenating them every step);
     the step gives the same values with it as with one GEMM per projection, prefill and
     decode. `weights()` stays the parameters alone (what gradients are taken over)."""
-    from dsv4_jax import attention
+    from dsv4_jax import step as step_mod
 
     cfg = dsv4_jax.DeepseekV4Config.tiny()
     attn = random_layer(cfg, cfg.layer_types.index(layer_type), break_mode="none")
@@ -319,14 +318,14 @@ def test_fused_input_projections_equal_the_separate_ones(layer_type):
         assert attn.step_weights() is fused  # made once while the parameters stay the same arrays
     else:
         assert attn.step_weights() is separate
-        fused = attention.fuse_input_projections(separate)
-    parts = attention.input_projection_weights(fused)
+        fused = step_mod.fuse_input_projections(separate)
+    parts = step_mod.input_projection_weights(fused)
     assert fused.input_proj.shape == (cfg.hidden_size, sum(p.shape[1] for p in parts))
-    assert attention.stage_weights(fused).input_proj is None  # the wide break does not copy it
+    assert step_mod.stage_weights(fused).input_proj is None  # the wide break does not copy it
     rng = np.random.default_rng(3)
     cache = attn.init_cache(2, 32).replace(layer_idx=-1)
     cache = cache.replace(length=jnp.asarray(cache.length))
-    step = attention.step_function()  # the call's jitted step (one program per weights' structure and shape)
+    step = step_mod.step_function()  # the call's jitted step (one program per weights' structure and shape)
     for n in (12, 1):
         x = jnp.asarray(rng.standard_normal((2, n, cfg.hidden_size)), jnp.float32)
         pos = jnp.asarray(np.broadcast_to(np.arange(n) + int(cache.length[0]), (2, n)), jnp.int32)

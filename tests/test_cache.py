@@ -8,8 +8,8 @@ import numpy as np
 from flax import nnx
 
 from dsv4_jax import AttentionCache, DeepseekV4Attention, DeepseekV4Config
-from dsv4_jax.attention import step_function
 from dsv4_jax.cache import cache_nbytes, insert_ring
+from dsv4_jax.step import step_function
 
 
 def test_shapes_per_layer_type():

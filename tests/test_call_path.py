@@ -9,6 +9,7 @@ or the enclosing mesh is seen by the next call.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 
@@ -18,9 +19,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv4_jax import DeepseekV4Attention, DeepseekV4Config, attention, breaks, sharding, validation
-from dsv4_jax.attention import step_function
+from dsv4_jax import DeepseekV4Attention, DeepseekV4Config, attention, breaks, call_path, sharding, validation
 from dsv4_jax.config import CSA
+from dsv4_jax.step import AttentionWeights, attention_step, compiled_steps, step_function
 
 CFG = DeepseekV4Config.tiny()
 CSA_LAYER = CFG.layer_types.index(CSA)
@@ -61,7 +62,7 @@ def _decode(attn, cache, steps: int, seed: int = 10):
 
 def _raw(attn, cache, x, positions):
     """The same call through the raw compiled step (fresh weights pytree, device length)."""
-    weights = attention._weights_of(attn, attention.AttentionWeights)
+    weights = attention._weights_of(attn, AttentionWeights)
     raw_cache = cache.replace(layer_idx=-1, length=jnp.asarray(cache.length))
     out, new_cache, _ = step_function(False)(weights, raw_cache, x, positions, spec=attn.step_spec())
     return np.asarray(out), new_cache
@@ -75,7 +76,7 @@ def _error(call) -> tuple[type, str]:
 
 def _fresh_error(attn, call) -> tuple[type, str]:
     """The error of `call` with the layer's memos dropped (the full checks, as before the memo)."""
-    attention._CALLS.pop(attn, None)
+    call_path._CALLS.pop(attn, None)
     return _error(call)
 
 
@@ -93,7 +94,7 @@ def test_repeated_calls_equal_the_step_and_keep_the_host_mirror():
         np.testing.assert_array_equal(np.asarray(cache.window), np.asarray(ref_cache.window))
         assert cache.layer_idx == CSA_LAYER
     assert cache.length.tolist() == [PREFILL + 6]
-    assert attn in attention._CALLS  # the memo served these calls
+    assert attn in call_path._CALLS  # the memo served these calls
 
 
 def test_numpy_inputs_ragged_rows_and_intermediates_on_the_memo():
@@ -275,7 +276,7 @@ def test_a_changed_break_mode_runs_its_own_step(monkeypatch):
     out, cache = attn(_hidden(7), _positions(cache.length), cache)
     assert traced, "the call after break_mode='wide' did not run the wide step"
     np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
-    entries = attention._CALLS[attn].entries
+    entries = call_path._CALLS[attn].entries
     assert {spec.plan.mode for spec, _ in entries.values()} == {"wide"}
 
 
@@ -296,7 +297,7 @@ def test_a_replaced_parameter_is_used_by_the_next_call(how):
         state = nnx.state(attn, nnx.Param)
         state = jax.tree.map(lambda a: a * 1.5, state)
         nnx.update(attn, state)
-    fresh = attention._weights_of(attn, attention.AttentionWeights)
+    fresh = attention._weights_of(attn, AttentionWeights)
     assert all(a is b for a, b in zip(jax.tree.leaves(attn.weights()), jax.tree.leaves(fresh), strict=True))
     x, pos = _hidden(8), _positions(cache.length)
     ref_out, _ = _raw(attn, cache, x, pos)
@@ -359,10 +360,10 @@ def test_a_context_mesh_is_seen_by_the_next_call():
     with jax.set_mesh(mesh):
         assert attn.step_spec().plan.layout is not None
         _, cache = attn(_hidden(4), _positions(cache.length), cache)
-        specs = [spec for spec, _ in attention._CALLS[attn].entries.values()]
+        specs = [spec for spec, _ in call_path._CALLS[attn].entries.values()]
         assert specs and all(spec.plan.layout is not None for spec in specs)
     _, cache = attn(_hidden(5), _positions(cache.length), cache)
-    specs = [spec for spec, _ in attention._CALLS[attn].entries.values()]
+    specs = [spec for spec, _ in call_path._CALLS[attn].entries.values()]
     assert specs and all(spec.plan.layout is None for spec in specs)
 
 
@@ -432,29 +433,41 @@ def test_finite_check_shortcut_is_exact():
         validation.check_finite("hidden_states", np.full((1, 1, 4), np.nan, np.float32), "host")
 
 
-def test_step_spec_hash_is_cached_and_equal_for_equal_specs():
+def test_equal_step_specs_share_one_compiled_step():
+    """A spec built again (or unpickled) equals the layer's, hashes equal, and the jitted step
+    runs it without compiling again; a changed field is another spec (another hash, another
+    step), not one that inherits the cached hash of the spec it was copied from."""
     attn = _layer()
     spec = attn.step_spec()
     other = attn._new_step_spec(None, False, False)
-    assert spec is not other and spec == other and hash(spec) == hash(other)
-    assert hash(spec) == hash(tuple(getattr(spec, f) for f in spec.__dataclass_fields__))
-    assert "_hash" in vars(spec)
     copy = pickle.loads(pickle.dumps(spec))
-    assert "_hash" not in vars(copy) and copy == spec and hash(copy) == hash(spec)
-    changed = attention.dataclasses.replace(spec, checks=True)
-    assert changed != spec and "_hash" not in vars(changed)
+    for twin in (other, copy):
+        assert twin is not spec and twin == spec and hash(twin) == hash(spec)
+    changed = dataclasses.replace(spec, checks=True)
+    assert changed != spec and hash(changed) != hash(spec)
+    assert hash(dataclasses.replace(changed, checks=False)) == hash(spec)
+
+    weights = attention._weights_of(attn, AttentionWeights)
+    cache = attn.init_cache(1, 64)
+    cache = cache.replace(layer_idx=-1, length=jnp.asarray(cache.length))
+    x, pos = _hidden(0, 1, PREFILL), _positions(0, PREFILL)
+    want = np.asarray(step_function(False)(weights, cache, x, pos, spec=spec)[0])
+    compiled = compiled_steps()
+    for twin in (other, copy):
+        np.testing.assert_array_equal(np.asarray(step_function(False)(weights, cache, x, pos, spec=twin)[0]), want)
+    assert compiled_steps() == compiled  # the jit cache found the equal specs
 
 
 def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkeypatch):
     """On a GPU a device input's finite check is read after the step is dispatched: a small
-    program (`attention.finite_guard`) writes the verdict into host memory and zeroes a
+    program (`call_path.finite_guard`) writes the verdict into host memory and zeroes a
     non-finite input just before the step, and the call reads the verdict while the step runs
     (no reduction and round trip of its own before dispatch): here the CPU's arrays are taken
     for device-resident ones. Same outputs and caches as the check before dispatch; a NaN input
     raises the same error, the cache stays the caller's and usable; no step is compiled for
     it; a donating layer keeps the check before dispatch."""
     ran, kinds = [], set()
-    real = attention._FINITE_GUARD
+    real = call_path._FINITE_GUARD
 
     class Counted:
         def __call__(self, *args, **kwargs):
@@ -463,7 +476,7 @@ def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkey
             kinds.add(result[0].sharding.memory_kind)
             return result
 
-    monkeypatch.setattr(attention, "_FINITE_GUARD", Counted())
+    monkeypatch.setattr(call_path, "_FINITE_GUARD", Counted())
     deferred = validation.finite_deferred
     monkeypatch.setattr(validation, "finite_deferred", lambda value, mode: False)  # the check before dispatch
     plain = _layer()
@@ -489,9 +502,9 @@ def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkey
     with pytest.raises(ValueError, match=r"hidden_states: expected finite values, got 1 non-finite of 64 \(first at "
                                          r"\[0, 0, 3\]: inf\); its results were discarded, the cache is unchanged"):
         checked(nan, _positions(n), got_cache)
-    compiled = attention.compiled_steps()
+    compiled = compiled_steps()
     out, after = checked(_hidden(20), _positions(n), got_cache)  # the cache as it was: the call runs
-    assert attention.compiled_steps() == compiled and after.length.tolist() == [n + 1]
+    assert compiled_steps() == compiled and after.length.tolist() == [n + 1]
     np.testing.assert_array_equal(np.asarray(out), _raw(checked, got_cache, _hidden(20), _positions(n))[0])
 
     donating = _layer(donate_cache=True)
@@ -518,11 +531,11 @@ def test_positions_none_continues_each_row_of_the_cache():
 
     @jax.jit
     def step(weights, cache, hidden):  # the positions come from the cache inside the program
-        return attention.attention_step(weights, cache, hidden, None, attn.step_spec())
+        return attention_step(weights, cache, hidden, None, attn.step_spec())
 
     raw = cache.replace(layer_idx=-1, length=jnp.asarray(cache.length))
     ref_raw = ref_cache.replace(layer_idx=-1, length=jnp.asarray(ref_cache.length))
-    weights = attention._weights_of(attn, attention.AttentionWeights)
+    weights = attention._weights_of(attn, AttentionWeights)
     for t in range(PREFILL, PREFILL + 3):
         want, ref_raw = _raw(attn, ref_raw, x[:, t:t + 1], _positions(t, 1, 2))
         got, raw, _ = step(weights, raw, x[:, t:t + 1])

@@ -4,7 +4,8 @@ Every ```python block of a page runs, in the page's order, in one namespace per 
 later blocks use what its earlier ones defined). A block preceded by an HTML comment
 ``<!-- not run: REASON -->`` is skipped (for blocks that need a GPU, a real checkpoint or
 minutes); the reason must be given. All pages run in one subprocess on the CPU with 8 host
-devices (docs/sharding.md builds a 4 x 2 mesh); each page's outcome is a test of its own.
+devices (docs/sharding.md builds a 4 x 2 mesh), a job of helpers.JOBS (started with the session
+beside the in-process tests); each page's outcome is a test of its own.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import JOBS, background
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -43,7 +44,8 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
 
 RUNNER = r"""
 import contextlib, io, json, sys, traceback
-pages = json.loads(sys.stdin.read())
+with open(sys.argv[1]) as f:
+    pages = json.load(f)
 results = {}
 for name, blocks in pages.items():
     namespace = {"__name__": "__docs__"}
@@ -63,19 +65,27 @@ def _runnable(page: Path) -> list[tuple[int, str]]:
     return [(line, code) for line, code, reason in python_blocks(page.read_text()) if reason is None]
 
 
+def _runner(workdir: Path) -> list:
+    """The job's command: the runner, given every page's runnable blocks in a file."""
+    pages = {str(p.relative_to(ROOT)): _runnable(p) for p in PAGES}
+    (workdir / "pages.json").write_text(json.dumps({name: blocks for name, blocks in pages.items() if blocks}))
+    return [sys.executable, "-c", RUNNER, workdir / "pages.json"]
+
+
+_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+_ENV["XLA_FLAGS"] = (_ENV.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+DOCS_RUN = background("docs", _runner, cwd=ROOT, env=_ENV, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, str]:
-    pages = {str(p.relative_to(ROOT)): _runnable(p) for p in PAGES}
-    pages = {name: blocks for name, blocks in pages.items() if blocks}
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(pages), capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
+    proc = JOBS.by_name["docs"].result()
     found = [line for line in proc.stdout.splitlines() if line.startswith("@@DOCS")]
     assert found, f"the docs runner crashed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(found[-1][len("@@DOCS"):])
 
 
+@DOCS_RUN
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_the_examples_run_as_typed(page, outcomes):
     name = str(page.relative_to(ROOT))

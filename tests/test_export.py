@@ -45,7 +45,7 @@ def test_deserialized_step_equals_the_layer_call(layer_type, with_intermediates)
     x, positions = _inputs()
     exported = export_step(attn, x.shape, cache, return_intermediates=with_intermediates)
     blob = serialize_step(exported)
-    assert isinstance(blob, bytes) and len(blob) > 1000
+    assert isinstance(blob, bytes)  # what it holds is proven below: the step it gives back runs as the layer
     step = deserialize_step(blob)
     assert step.in_tree == exported.in_tree and step.out_tree == exported.out_tree
 

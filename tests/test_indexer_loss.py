@@ -217,7 +217,7 @@ def test_no_gradient_into_the_shared_query_projection(layer_grads, over):
     """q_a_proj/q_a_norm feed the indexer's queries too (through q_residual); DeepSeek-V3.2
     detaches the indexer's input, so its loss trains the indexer only.
 
-    Needs `lax.stop_gradient` on q_residual where `attention.run_stages` computes the
+    Needs `lax.stop_gradient` on q_residual where `step.run_stages` computes the
     indexer queries (the proposed diff); fails until then.
     """
     _, grads, _ = layer_grads[over]

@@ -73,10 +73,17 @@ def test_default_call_returns_out_and_cache(tiny_layers):
     attn = tiny_layers[CSA]
     x = jnp.asarray(_inputs()[:, :SCHEDULE[0]])
     pos = np.broadcast_to(np.arange(SCHEDULE[0], dtype=np.int32), x.shape[:2])
-    res = attn(x, pos, attn.init_cache(BATCH, MAX_LEN))
-    assert isinstance(res, tuple) and len(res) == 2
-    res = attn(x, pos, attn.init_cache(BATCH, MAX_LEN), return_intermediates=True)
-    assert len(res) == 3 and isinstance(res[2], dsv4_jax.Intermediates)
+    out, cache = attn(x, pos, attn.init_cache(BATCH, MAX_LEN))  # exactly two results
+    assert out.shape == x.shape and out.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(cache.length), [SCHEDULE[0]] * BATCH)
+    out_on, cache_on, inter = attn(x, pos, attn.init_cache(BATCH, MAX_LEN), return_intermediates=True)
+    # Asking for the intermediates adds them; it does not change the output or the cache.
+    np.testing.assert_allclose(np.asarray(out_on), np.asarray(out), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(cache_on), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+    # ... and they describe this call: one row of picks per query, entries of the 40 tokens.
+    assert np.asarray(inter.topk).shape == (BATCH, SCHEDULE[0], TINY.index_topk)
+    np.testing.assert_array_equal(np.asarray(inter.num_entries), [SCHEDULE[0] // TINY.csa_compress_rate] * BATCH)
 
 
 def _all_eqns(jaxpr):

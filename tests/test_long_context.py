@@ -230,7 +230,7 @@ def test_the_chunk_estimate_bounds_what_xla_allocates(name):
     """`prefill_chunk_bytes` bounds XLA:CPU's own reservation for the step (temporaries and
     outputs, the returned cache included), and stays within 4x of it (measured 1.3-5x over
     tiny and small configs, chunks of 1 to 2048; larger where XLA:CPU fuses the indexer's scores)."""
-    from dsv4_jax.attention import step_function
+    from dsv4_jax.step import step_function
 
     attn = random_layer(CFG, LAYERS[name], break_mode="none", kernels="xla", query_block=QUERY_BLOCK)
     cache = jax.eval_shape(lambda: attn.init_cache(BATCH, MAX_LEN)).replace(

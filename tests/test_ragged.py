@@ -27,8 +27,9 @@ from flax import nnx
 from helpers import EXECUTIONS, JOBS, background, execution, random_layer
 
 import dsv4_jax
-from dsv4_jax import attention, breaks
+from dsv4_jax import breaks
 from dsv4_jax.cache import reset_rows
+from dsv4_jax.step import compiled_steps
 
 CFG = dsv4_jax.DeepseekV4Config.tiny()
 LAYERS = {"sliding": 0, "csa": 1, "hca": 2}
@@ -215,7 +216,7 @@ def test_reset_rows_empties_rows_and_the_compiled_step_keeps_serving():
     cache = attn.init_cache(BATCH, MAX_SEQ_LEN)
     for x, pos in calls[:2]:
         _, cache = attn(jnp.asarray(x), pos, cache)
-    compiled = attention.compiled_steps()
+    compiled = compiled_steps()
     fresh = attn.init_cache(BATCH, MAX_SEQ_LEN)
 
     reset = reset_rows(cache, [1])
@@ -238,7 +239,7 @@ def test_reset_rows_empties_rows_and_the_compiled_step_keeps_serving():
     x, pos = x.copy(), pos.copy()
     x[1], pos[1] = hidden[0, :13], np.arange(13)
     out, after = attn(jnp.asarray(x), pos, reset)
-    assert attention.compiled_steps() == compiled  # no new compile: same shapes, same step
+    assert compiled_steps() == compiled  # no new compile: same shapes, same step
     assert after.length.tolist() == [27, 13, 18]
     ref = alone("csa")
     out = np.asarray(out)

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 import dsv4_jax
 from dsv4_jax import CSA, HCA, SLIDING, breaks, sharding
+from dsv4_jax.step import step_function
 
 DEVICES = 8
 ON_8 = jax.device_count() >= DEVICES
@@ -271,8 +272,8 @@ def test_the_break_is_a_per_shard_call_in_a_manual_region(mesh_name, mode, targe
     mesh = _mesh(mesh_name)
     attn = _layer(CSA, mode, mesh=mesh)
     x, pos = _inputs()
-    text = sharding.step_function().lower(attn.weights(), attn.init_cache(BATCH, MAX_LEN), jnp.asarray(x),
-                                          jnp.asarray(pos), spec=attn.step_spec()).as_text()
+    text = step_function(sharded=True).lower(attn.weights(), attn.init_cache(BATCH, MAX_LEN), jnp.asarray(x),
+                                             jnp.asarray(pos), spec=attn.step_spec()).as_text()
     lines = text.splitlines()
     calls = [i for i, ln in enumerate(lines) if "stablehlo.custom_call" in ln and target in ln]
     assert len(calls) == 1, calls
@@ -294,8 +295,8 @@ def test_cache_writes_stay_on_their_batch_shard(layer_type):
     _, cache = attn(jnp.asarray(x), jnp.asarray(pos), attn.init_cache(BATCH, MAX_LEN))
     step_x = jnp.asarray(x[:, :1])
     step_pos = jnp.full((BATCH, 1), N, jnp.int32)
-    compiled = sharding.step_function().lower(attn.weights(), cache.replace(layer_idx=-1), step_x, step_pos,
-                                              spec=attn.step_spec()).compile().as_text()
+    compiled = step_function(sharded=True).lower(attn.weights(), cache.replace(layer_idx=-1), step_x, step_pos,
+                                                 spec=attn.step_spec()).compile().as_text()
     collectives = [ln.strip()[:120] for ln in compiled.splitlines()
                    if any(op in ln for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"))]
     assert not collectives, collectives[:5]

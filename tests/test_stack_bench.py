@@ -11,9 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,26 +80,6 @@ def test_stack_run_writes_records_and_a_profile_by_stage():
     # The stages are jax.named_scopes of attention_step: the profile can name them.
     assert {"sparse_attention", "compressor", "indexer_select"} <= stages
     assert "stack_decode" in stack.markdown(records, data["meta"])
-
-
-@pytest.mark.parametrize("same", ["positions", "all"])
-def test_the_step_on_the_same_buffers_is_the_same_step(same):
-    """`--same-buffers`: `stack_step_own_positions` (each row's next position from its cache
-    length; "all": the hidden states donated too) gives the outputs and caches of `stack_step`
-    given those positions."""
-    cfg = stack.stack_config("tiny", 2)
-    st = stack.Stack(cfg, "mixed", 2, "float32", 0, "none")
-    runs = []
-    for own in (False, True):
-        caches = st.synthetic_caches(2, 128, 40, 0)
-        x = stack._hidden(cfg, 2, 1, jnp.float32, 0)
-        if own:
-            runs.append(stack.STACK_STEP_OWN_POSITIONS[same](st.weights, caches, x, specs=st.specs))
-        else:
-            runs.append(stack.STACK_STEP(st.weights, caches, x, stack._positions(2, 40, 1), specs=st.specs))
-    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert int(runs[1][1][0].length[0]) == 41
 
 
 def test_the_hlo_census_reads_copies_conditionals_and_thunks(tmp_path):
