@@ -243,6 +243,33 @@ def render(path, tables=markdown) -> int:
     return 0
 
 
+def scenario_main(argv, build_parser, fill_defaults, run, tables) -> int:
+    """The command line of a scenario script (bench/stack.py, bench/train.py): ``--render FILE``
+    prints a past run's tables; otherwise `run(args, write)` with the records and meta written to
+    ``--json`` after every record (a run cut short keeps what it measured), the tables printed at
+    the end. Exit status 1 when every record failed."""
+    import time
+
+    args = build_parser().parse_args(argv)
+    if args.render:
+        return render(args.render, tables)
+    fill_defaults(args)
+    t0 = time.perf_counter()
+
+    def write(records, meta):
+        if args.json:
+            meta["wall_s"] = time.perf_counter() - t0
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=str))
+
+    records, meta = run(args, write)
+    write(records, meta)
+    print(tables(records, meta))
+    errors = [r for r in records if r.get("error")]
+    return 1 if errors and len(errors) == len(records) else 0
+
+
 def plot(records, path: Path, title: str = "") -> Path | None:
     """Grouped bars (log scale): decode median and prefill per case, one bar per impl."""
     try:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -364,24 +363,7 @@ def fill_defaults(args) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.render:
-        return report.render(args.render, markdown)
-    fill_defaults(args)
-    t0 = time.perf_counter()
-
-    def write(records, meta):
-        if args.json:
-            meta["wall_s"] = time.perf_counter() - t0
-            path = Path(args.json)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=str))
-
-    records, meta = run(args, write)
-    write(records, meta)
-    print(markdown(records, meta))
-    errors = [r for r in records if r.get("error")]
-    return 1 if errors and len(errors) == len(records) else 0
+    return report.scenario_main(argv, build_parser, fill_defaults, run, markdown)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from test_maxtext_peer import needs_maxtext  # noqa: E402
+
 import dsv4_jax  # noqa: E402
 from bench import measure, peer_maxtext, train  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
-
-REASON = peer_maxtext.available()
-needs_maxtext = pytest.mark.skipif(
-    REASON is not None, reason=f"maxtext not installed ({REASON}); pip install -e '.[peers]' (Python >= 3.12)")
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
