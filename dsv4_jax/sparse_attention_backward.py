@@ -45,78 +45,52 @@ BLOCK_KEYS = 32
 BLOCK_HEADS = 32
 NUM_WARPS = 8
 NUM_STAGES = 1
-SPLIT = False
-DKV_BLOCKS = None
 
 
 def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
-                dtype, trash_pool: int, trash_entries: int, with_dq: bool, with_dkv: bool, relaxed: bool,
-                head_groups: int):
+                dtype, trash_pool: int, trash_entries: int, relaxed: bool):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref, eblocks_ref = (refs.pop(0), refs.pop(0)) if n_entries else (None, None)
     q_ref, do_ref, lse_ref, delta_ref, pool_ref = refs[:5]
     ents_ref = refs[5] if n_entries else None
     refs = refs[6 if n_entries else 5:]
-    if with_dkv:
-        refs = refs[2 if n_entries else 1:]  # the aliased zero accumulators' input refs
-    dq_ref = refs.pop(0) if with_dq else None
-    dpool_ref, dents_ref = (refs[0], refs[1] if n_entries else None) if with_dkv else (None, None)
+    refs = refs[2 if n_entries else 1:]  # the aliased zero accumulators' input refs
+    dq_ref, dpool_ref = refs[0], refs[1]
+    dents_ref = refs[2] if n_entries else None
 
     r = pl.program_id(0)
     src = r // rows_per_source
+    q, do = q_ref[...], do_ref[...]  # [bh, D]
+    lse, delta = lse_ref[...], delta_ref[...]  # [bh] float32
     exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    d = q_ref.shape[-1]
-    cols = jnp.arange(d, dtype=jnp.int32)[None, :]
-    bh = q_ref.shape[0] // head_groups
+    cols = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
 
     def dot(a, b, contract):
         return jax.lax.dot_general(a, b, (contract, ((), ())), precision=exact, preferred_element_type=jnp.float32)
 
-    def heads(g):  # q, do [bh, D]; lse, delta [bh] float32: head group g of the program's
-        at = pl.ds(g * bh, bh) if head_groups > 1 else slice(None)
-        return q_ref[at, :], do_ref[at, :], lse_ref[at], delta_ref[at]
-
-    def logits_cotangent(q, do, lse, delta, k, idx):
-        s = (dot(q, k, ((1,), (1,))).astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
-        p = jnp.where((idx >= 0)[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [bh, bk]
-        ds = p * (dot(do, k, ((1,), (1,))) - delta[:, None])
-        return p, (ds * scale).astype(dtype)
-
     def key_block(src_ref, idx_ref, grad_ref, trash, blk, dq):
         idx = idx_ref[r, pl.ds(blk * block_keys, block_keys)]  # [bk]
         k = src_ref[src, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D]
-
-        def group(g, carry):
-            dq, dk = carry
-            q, do, lse, delta = heads(g)
-            p, ds_scaled = logits_cotangent(q, do, lse, delta, k, idx)
-            if with_dq:
-                dq = dq + dot(ds_scaled, k, ((1,), (0,)))
-            if with_dkv:
-                dk = dk + dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
-            return dq, dk
-
-        dk = jnp.zeros((block_keys, d), jnp.float32) if with_dkv else None
-        if head_groups == 1:
-            dq, dk = group(0, (dq, dk))
-        else:  # no dq here (`with_dq` needs one group): the key's gradient summed over all heads first
-            _, dk = jax.lax.fori_loop(0, head_groups, group, (dq, dk))
-        if with_dkv:
-            # Keys a program does not have (-1) add into a trash row past the sources' rows.
-            rows = jnp.broadcast_to(jnp.where(idx >= 0, idx, trash)[:, None], dk.shape)
-            _atomic_add(grad_ref, (src, rows, jnp.broadcast_to(cols, dk.shape)), dk, relaxed)
+        s = (dot(q, k, ((1,), (1,))).astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+        p = jnp.where((idx >= 0)[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [bh, bk]
+        ds = p * (dot(do, k, ((1,), (1,))) - delta[:, None])
+        ds_scaled = (ds * scale).astype(dtype)
+        dq = dq + dot(ds_scaled, k, ((1,), (0,)))
+        dk = dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
+        # Keys a program does not have (-1) add into a trash row past the sources' rows.
+        rows = jnp.broadcast_to(jnp.where(idx >= 0, idx, trash)[:, None], dk.shape)
+        _atomic_add(grad_ref, (src, rows, jnp.broadcast_to(cols, dk.shape)), dk, relaxed)
         return dq
 
     def loop(src_ref, idx_ref, grad_ref, trash, n_blocks, dq):
         return jax.lax.fori_loop(0, n_blocks, lambda i, c: key_block(src_ref, idx_ref, grad_ref, trash, i, c), dq)
 
-    dq = jnp.zeros((bh, d), jnp.float32) if with_dq else None
+    dq = jnp.zeros(q.shape, jnp.float32)
     dq = loop(pool_ref, widx_ref, dpool_ref, trash_pool, n_window, dq)
     if n_entries:
         dq = loop(ents_ref, eidx_ref, dents_ref, trash_entries, eblocks_ref[r], dq)
-    if with_dq:
-        dq_ref[...] = dq.astype(dq_ref.dtype)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _atomic_add(ref, idx, values, relaxed: bool):
@@ -132,8 +106,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
                               do: Array, *, entries: Array | None = None, picks: Array | None = None,
                               visible: Array | None = None, interpret: bool = False,
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
-                              num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                              split: bool = SPLIT, dkv_blocks: tuple | None = DKV_BLOCKS, relaxed: bool = True):
+                              num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, relaxed: bool = True):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -141,77 +114,62 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     lse [B, S, H] float32 its output and log-normaliser (`sparse_attention_kernel(...,
     with_lse=True)`); do [B, S, H, D] the output's cotangent. Returns dq [B, S, H, D] (q's
     dtype), dpool [B, P, D] (pool's dtype), dsinks [H] float32, dentries [B, T, D] or None.
-
-    `split`: dq and the keys' gradients in two kernels (the second with `dkv_blocks` =
-    (block_keys, block_heads, num_warps, num_stages), more heads a program since it holds no
-    dq: fewer atomic adds) instead of one. `relaxed`: the atomic adds with relaxed memory order
-    (`relaxed_atomics`) on the Triton backend.
+    `relaxed`: the key gradients' atomic adds in relaxed memory order (`relaxed_atomics`; False:
+    Pallas' acquire-release `atomic_add`, twice the time on the H200).
     """
     b, s, h, d = q.shape
     rows = b * s
+    bh = min(block_heads, h)
     dtype = q.dtype
+    widx = _pad_indices(window_idx.reshape(rows, -1).astype(jnp.int32), block_keys)
+    eidx = entry_indices(rows, entries, picks, visible)
+    n_entries = 0
+    index_args = [widx]
+    if eidx is not None:
+        eidx = _pad_indices(eidx.astype(jnp.int32), block_keys)
+        n_entries = eidx.shape[1] // block_keys
+        # [R] int32: entry blocks up to the row's last key (HCA: the visible prefix)
+        last = jnp.max(jnp.where(eidx >= 0, jnp.arange(1, eidx.shape[1] + 1, dtype=jnp.int32), 0), axis=1)
+        index_args += [eidx, (last + block_keys - 1) // block_keys]
     q_rows, do_rows = q.reshape(rows, h, d), do.astype(dtype).reshape(rows, h, d)
     lse_rows = lse.reshape(rows, h).astype(jnp.float32)
     delta = jnp.sum(do_rows.astype(jnp.float32) * o.reshape(rows, h, d).astype(jnp.float32), axis=-1)  # [R, H]
+    # float32 accumulators with one trash row each (keys a program does not have), zeros in.
+    dpool0 = jnp.zeros((pool.shape[0], pool.shape[1] + 1, d), jnp.float32)
+    dents0 = None if eidx is None else jnp.zeros((entries.shape[0], entries.shape[1] + 1, d), jnp.float32)
 
-    def run(with_dq: bool, with_dkv: bool, block_keys: int, block_heads: int, num_warps: int, num_stages: int,
-            head_groups: int = 1):
-        assert head_groups == 1 or not with_dq, "dq needs one head group a program"
-        bh = min(block_heads * head_groups, h)
-        widx = _pad_indices(window_idx.reshape(rows, -1).astype(jnp.int32), block_keys)
-        eidx = entry_indices(rows, entries, picks, visible)
-        n_entries = 0
-        index_args = [widx]
-        if eidx is not None:
-            eidx = _pad_indices(eidx.astype(jnp.int32), block_keys)
-            n_entries = eidx.shape[1] // block_keys
-            # [R] int32: entry blocks up to the row's last key (HCA: the visible prefix)
-            last = jnp.max(jnp.where(eidx >= 0, jnp.arange(1, eidx.shape[1] + 1, dtype=jnp.int32), 0), axis=1)
-            index_args += [eidx, (last + block_keys - 1) // block_keys]
-        kernel = functools.partial(
-            _bwd_kernel, scale=d ** -0.5, block_keys=block_keys, rows_per_source=s,
-            n_window=widx.shape[1] // block_keys, n_entries=n_entries, dtype=dtype, trash_pool=pool.shape[1],
-            trash_entries=0 if eidx is None else entries.shape[1], with_dq=with_dq, with_dkv=with_dkv,
-            relaxed=relaxed, head_groups=head_groups)
-        whole = pl.no_block_spec
-        per_head = pl.BlockSpec((None, bh, d), lambda i, g: (i, g, 0))
-        per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (i, g))
-        sources = [pool] + ([entries] if eidx is not None else [])
-        # float32 accumulators with one trash row each (keys a program does not have), zeros in.
-        accumulators = []
-        if with_dkv:
-            accumulators = [jnp.zeros((a.shape[0], a.shape[1] + 1, d), jnp.float32) for a in sources]
-        args = [*index_args, q_rows, do_rows, lse_rows, delta, *sources, *accumulators]
-        in_specs = ([whole] * len(index_args) + [per_head, per_head, per_head_stat, per_head_stat]
-                    + [whole] * (len(sources) + len(accumulators)))
-        first_acc = len(args) - len(accumulators)
-        dq_shape = [jax.ShapeDtypeStruct((rows, h, d), dtype)] if with_dq else []
-        out_shape = [*dq_shape, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators)]
-        extra = {}
-        if not interpret:
-            from jax.experimental.pallas import triton as pl_triton
+    kernel = functools.partial(_bwd_kernel, scale=d ** -0.5, block_keys=block_keys, rows_per_source=s,
+                               n_window=widx.shape[1] // block_keys, n_entries=n_entries, dtype=dtype,
+                               trash_pool=pool.shape[1], trash_entries=0 if eidx is None else entries.shape[1],
+                               relaxed=relaxed)
+    whole = pl.no_block_spec
+    per_head = pl.BlockSpec((None, bh, d), lambda i, g: (i, g, 0))
+    per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (i, g))
+    sources = [pool] + ([entries] if eidx is not None else [])
+    accumulators = [dpool0] + ([dents0] if eidx is not None else [])
+    args = [*index_args, q_rows, do_rows, lse_rows, delta, *sources, *accumulators]
+    in_specs = ([whole] * len(index_args) + [per_head, per_head, per_head_stat, per_head_stat]
+                + [whole] * (len(sources) + len(accumulators)))
+    first_acc = len(args) - len(accumulators)
+    out_shape = [jax.ShapeDtypeStruct((rows, h, d), dtype), *(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                                              for a in accumulators)]
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
 
-            extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-        outs = pl.pallas_call(
-            kernel,
-            grid=(rows, h // bh),
-            in_specs=in_specs,
-            out_specs=[per_head] * len(dq_shape) + [whole] * len(accumulators),
-            out_shape=out_shape,
-            input_output_aliases={first_acc + i: len(dq_shape) + i for i in range(len(accumulators))},
-            interpret=interpret,
-            name="sparse_attention_backward" + ("" if with_dq == with_dkv else "_dq" if with_dq else "_dkv"),
-            **extra,
-        )(*args)
-        return outs if isinstance(outs, (list, tuple)) else [outs]
-
-    blocks = (block_keys, block_heads, num_warps, num_stages)
-    if split:
-        (dq,) = run(True, False, *blocks)
-        dpool, *dents = run(False, True, *(dkv_blocks or blocks))
-    else:
-        dq, dpool, *dents = run(True, True, *blocks)
+        extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    dq, dpool, *dents = pl.pallas_call(
+        kernel,
+        grid=(rows, h // bh),
+        in_specs=in_specs,
+        out_specs=[per_head] + [whole] * len(accumulators),
+        out_shape=out_shape,
+        input_output_aliases={first_acc + i: 1 + i for i in range(len(accumulators))},
+        interpret=interpret,
+        name="sparse_attention_backward",
+        **extra,
+    )(*args)
     p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
     dsinks = -jnp.sum(p_sink * delta, axis=0)
-    dentries = dents[0][:, :-1].astype(entries.dtype) if dents else None
+    dentries = None if eidx is None else dents[0][:, :-1].astype(entries.dtype)
     return dq.reshape(b, s, h, d), dpool[:, :-1].astype(pool.dtype), dsinks, dentries

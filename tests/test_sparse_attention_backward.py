@@ -76,6 +76,29 @@ def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
     assert_close(grads("auto"), grads("xla"), rtol=1e-5)
 
 
+def test_the_key_gradients_add_with_relaxed_atomics_in_the_triton_program():
+    """The Triton program, lowered for CUDA on any machine, adds the key gradients with relaxed
+    atomics (`relaxed_atomics`: half the kernel's time on the H200 against Pallas' acquire-release
+    adds, bench/results/h200_backward_ab_2026-12-02_s35_1.json); `relaxed=False` is Pallas' own."""
+    from dsv4_jax import relaxed_atomics
+
+    if not relaxed_atomics.RELAXED:
+        pytest.skip(f"jax {jax.__version__}'s Pallas internals differ: the public acquire-release atomic_add")
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=1, h=16, d=16, w=16, t=16, k=16, dtype=jnp.bfloat16, s=4)
+    lse = jnp.zeros(q.shape[:3], jnp.float32)
+
+    def triton_module(relaxed):
+        f = jax.jit(lambda q, pool, lse: sab.sparse_attention_backward(
+            q, pool, widx, sinks, q, lse, q, **kwargs, block_keys=16, block_heads=16, relaxed=relaxed))
+        try:
+            return f.trace(q, pool, lse).lower(lowering_platforms=("cuda",)).as_text()
+        except Exception as e:  # a jaxlib that cannot lower Pallas for CUDA here
+            pytest.skip(f"no CUDA lowering of Pallas on this machine: {type(e).__name__}: {e}")
+
+    assert "relaxed" in triton_module(True)
+    assert "relaxed" not in triton_module(False)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("b, s", [(1, 1), (4, 1), (1, 256)], ids=["decode1", "decode4", "prefill"])
