@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from . import breaks, call_path, sharding, validation
+from . import numerics as numerics_mod
 from .backend import QUERY_BLOCK, Array
 from .cache import AttentionCache, init_attention_cache
 from .compressor import CompressorWeights
@@ -240,6 +241,11 @@ class DeepseekV4Attention(nnx.Module):
                     the one the cache is sharded over. An attribute; see `dsv4_jax.sharding`.
       sharding_rules: (logical axis, mesh axis or None) pairs overriding
                     `dsv4_jax.sharding.LOGICAL_AXIS_RULES` (None: the defaults).
+      numerics:     "reference" (default: Hugging Face transformers' numerics, exactly) or
+                    "official" (DeepSeek's own inference: the window and compressed KV on an FP8
+                    grid, the indexer's queries and keys Hadamard-rotated onto an FP4 grid;
+                    docs/numerics.md). The same in every break mode and on every device. An
+                    attribute.
 
     Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
     ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
@@ -252,7 +258,8 @@ class DeepseekV4Attention(nnx.Module):
                  break_mode: str = "narrow", break_on: str = "auto", kernels: str = "auto", dtype=None,
                  param_dtype=jnp.float32, precision=None, query_block: int = QUERY_BLOCK,
                  donate_cache: bool = False,
-                 check_finite=None, checkify: bool = False, mesh=None, sharding_rules=None):
+                 check_finite=None, checkify: bool = False, mesh=None, sharding_rules=None,
+                 numerics: str = "reference"):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
         self.config = config
@@ -261,6 +268,7 @@ class DeepseekV4Attention(nnx.Module):
         self.break_mode = breaks.check_break_mode(break_mode)
         self.break_on = breaks.check_break_on(break_on)
         self.kernels = breaks.check_kernels(kernels)
+        self.numerics = numerics_mod.check_numerics(numerics)
         self.dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         self.param_dtype = validation.check_float_dtype("param_dtype", param_dtype)
         self.precision = precision
@@ -375,7 +383,8 @@ class DeepseekV4Attention(nnx.Module):
         reads (the layer's options and the mesh)."""
         mesh = self.mesh if self.mesh is not None else sharding.context_mesh()
         key = (mesh, self.sharding_rules, self.break_mode, self.break_on, self.kernels, self.dtype,
-               self.param_dtype, self.precision, self.query_block, bool(return_intermediates), bool(checks))
+               self.param_dtype, self.precision, self.query_block, bool(return_intermediates), bool(checks),
+               self.numerics)
         specs = _SPECS.setdefault(self, {})
         spec = specs.get(key)
         if spec is None:
@@ -391,7 +400,8 @@ class DeepseekV4Attention(nnx.Module):
             precision = jax.lax.Precision.HIGHEST
         return StepSpec(cfg=self.config, layer_type=self.layer_type, plan=plan,
                         dtype=jnp.dtype(dtype), precision=precision, query_block=self.query_block,
-                        return_intermediates=bool(return_intermediates), checks=bool(checks))
+                        return_intermediates=bool(return_intermediates), checks=bool(checks),
+                        numerics=numerics_mod.check_numerics(self.numerics))
 
     def __call__(self, hidden_states, positions, cache: AttentionCache, *, return_intermediates: bool = False):
         """Run the layer on S new tokens per row and return ``(out, cache)``.

@@ -63,6 +63,7 @@ def compress(
     frozen: Array | None = None,
     count: Array | None = None,
     kernel: str = "auto",
+    round_entries=None,
 ) -> CompressorCache:
     """Append a call's tokens to the compressor; emit the entries of windows they complete.
 
@@ -77,6 +78,8 @@ def compress(
                into nothing, are not written into the ring and write no entry). None: all S
                are real.
     kernel:    the step plan's ``compress`` choice for a decode step's pooling (`_pool_one_token`)
+    round_entries: None, or a function applied to the new entries after their norm and RoPE
+               (the official numerics' rounding, `dsv4_jax.numerics`); the ring is not rounded
     returns    the state after the call: the entries of the windows this call completes are
                written at rows ``length // m ..``, the call's tokens into the ring.
 
@@ -117,6 +120,8 @@ def compress(
     pooled = rms_norm(pooled, kv_norm, eps)
     entry_pos = (first_entry[:, None] + xp.arange(n_pooled, dtype=np.int32)[None, :]) * m  # [B, P]
     pooled = apply_rope(pooled, entry_pos, freqs, scale=rope_scale)
+    if round_entries is not None:
+        pooled = round_entries(pooled)
 
     # Write the completed windows' entries.
     j = xp.arange(n_pooled, dtype=np.int32)[None, :]

@@ -54,6 +54,8 @@ import numpy as np
 
 from dsv4_jax.backend import Array, namespace
 
+NUMERICS = ("reference", "official")
+
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP4 = np.dtype(ml_dtypes.float4_e2m1fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -216,3 +218,11 @@ def round_indexer_official(x: Array) -> Array:
     keys: Hadamard over all channels (RoPE ones included), then FP4 blocks of 32
     (`rotate_activation`, then `fp4_act_quant(x, 32, True)`)."""
     return fp4_round_trip(hadamard_rotate(x), FP4_BLOCK)
+
+
+def check_numerics(numerics) -> str:
+    """The layer's ``numerics=`` setting, checked: "reference" (transformers' numerics) or
+    "official" (the official inference's roundings at the places `docs/numerics.md` lists)."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
+    return numerics

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import breaks, indexer, sharding
+from . import breaks, indexer, numerics, sharding
 from .backend import QUERY_BLOCK, Array, einsum
 from .cache import (
     AttentionCache,
@@ -179,6 +179,7 @@ class StepSpec:
     query_block: int = QUERY_BLOCK
     return_intermediates: bool = False
     checks: bool = False  # in-graph `checkify.check`s of positions and room (see `check_in_graph`)
+    numerics: str = "reference"  # or "official": the official inference's roundings (`numerics`)
 
     # `jax.jit` hashes its static arguments on every dispatch: the dataclass hash (over the whole
     # config) is computed once per spec and kept beside the fields (equal specs hash equal: the
@@ -222,6 +223,8 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale,
                    in_place=True)
     kv = apply_rope(kv, positions, freqs, scale=scale)
+    if spec.numerics == "official":  # FP8 grid on the non-RoPE channels, before the window insert
+        kv = numerics.round_kv_official(kv, cfg.qk_rope_head_dim)
     return q, kv, insert_ring(window, kv, length, frozen, count)
 
 
@@ -244,6 +247,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
                   frozen=frozen, count=count, kernel=spec.plan.kernels.compress)
+    official = spec.numerics == "official"
 
     # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
     with jax.named_scope("wq_b_kv_insert"):
@@ -257,7 +261,9 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     with jax.named_scope("compressor"):
         comp_state = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
                               position_bias=cw.position_bias, kv_norm=cw.kv_norm,
-                              overlap=spec.layer_type == CSA, **common)
+                              overlap=spec.layer_type == CSA, **common,
+                              round_entries=functools.partial(numerics.round_kv_official,
+                                                              rope_dim=cfg.qk_rope_head_dim) if official else None)
     out = out.replace(compressor=comp_state)
     if spec.layer_type == HCA:
         return out
@@ -266,7 +272,8 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     with jax.named_scope("indexer_compressor"):
         index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
                                position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
-                               overlap=True, **common)
+                               overlap=True, **common,
+                               round_entries=numerics.round_indexer_official if official else None)
     # The indexer's input is detached, as in DeepSeek-V3.2: its own loss (`indexer_kl_loss`)
     # trains the indexer only (its picks pass no gradient back to q_residual anyway).
     q_in = inputs.q_residual
@@ -276,6 +283,8 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
                                 n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
                                 precision=spec.precision)
+        if official:  # Hadamard + FP4, as the keys: the rotation keeps q.k, the rounding does not
+            queries = numerics.round_indexer_official(queries)
     visible = visible_entries(positions, spec.ratio)
     with jax.named_scope("indexer_select"):
         selected = select(queries, inputs.indexer_weights, index_state.entries, visible,

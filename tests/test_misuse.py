@@ -164,6 +164,19 @@ def test_unknown_break_mode(tiny, csa):
     next_call_is_reference(tiny, csa, cache)
 
 
+def test_unknown_numerics(tiny, csa):
+    with pytest.raises(ValueError, match=r"numerics: expected one of \('reference', 'official'\), got 'fp8'"):
+        dsv4_jax.DeepseekV4Attention(tiny.cfg, CSA_LAYER, rngs=nnx.Rngs(0), numerics="fp8")
+    cache = after_first_call(tiny, csa)
+    csa.numerics = "qat"  # an attribute: changed later, it is checked at the next call
+    try:
+        with pytest.raises(ValueError, match=r"numerics: expected one of .*got 'qat'"):
+            csa(_h(tiny), _p(tiny), cache)
+    finally:
+        csa.numerics = "reference"
+    next_call_is_reference(tiny, csa, cache)
+
+
 # ---------------------------------------------------------------------------- under your own jit
 def _leaves_equal(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)

@@ -18,13 +18,15 @@ import importlib.util
 import os
 from pathlib import Path
 
+import helpers
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
-from dsv4_jax import numerics
+from dsv4_jax import DeepseekV4Attention, DeepseekV4Config, numerics
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -485,3 +487,75 @@ def test_against_official_torch_fallbacks():
     theirs_r = kernel.hadamard_transform(torch.from_numpy(r), scale=128**-0.5).numpy()
     size = np.abs(r).max(-1, keepdims=True)  # rows of very different magnitudes; sums cancel
     np.testing.assert_allclose(numerics.hadamard_rotate(r) / size, theirs_r / size, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- the layer's switch
+def _layer_runs(layer: int, numerics_setting: str, **kwargs):
+    """A 40-token prefill in chunks of 13 + 27, then 3 decode steps, of a random tiny layer with
+    `numerics=` as given: the outputs, the caches and the picks of each call."""
+    cfg = DeepseekV4Config.tiny()
+    attn = helpers.random_layer(cfg, layer, seed=3, numerics=numerics_setting, **kwargs)
+    x = np.random.default_rng(4).normal(size=(2, 43, cfg.hidden_size)).astype(np.float32)
+    cache = attn.init_cache(2, 64)
+    runs, start = [], 0
+    for n in (13, 27, 1, 1, 1):
+        pos = np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (2, n))
+        out, cache, inter = attn(jnp.asarray(x[:, start:start + n]), jnp.asarray(pos), cache,
+                                 return_intermediates=True)
+        runs.append((np.asarray(out), cache, None if inter.topk is None else np.asarray(inter.topk)))
+        start += n
+    return runs
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_official_numerics_round_the_caches_where_the_official_code_does(layer):
+    """With ``numerics="official"`` the window keys and the compressed entries are the
+    reference layer's rounded onto the FP8 grid (non-RoPE channels), the indexer's keys its
+    Hadamard-rotated FP4 ones: bit for bit, in prefill chunks and decode steps alike (the
+    rounding is applied to what is written, nothing else upstream changes)."""
+    ref, off = _layer_runs(layer, "reference"), _layer_runs(layer, "official")
+    rope = 8  # DeepseekV4Config.tiny().qk_rope_head_dim
+    for (out_r, cache_r, _), (out_o, cache_o, _) in zip(ref, off):
+        np.testing.assert_array_equal(np.asarray(cache_o.window),
+                                      numerics.round_kv_official(np.asarray(cache_r.window), rope))
+        if cache_r.compressor is not None:
+            np.testing.assert_array_equal(np.asarray(cache_o.compressor.entries),
+                                          numerics.round_kv_official(np.asarray(cache_r.compressor.entries), rope))
+        if cache_r.indexer is not None:
+            written = np.asarray(cache_r.indexer.entries)
+            np.testing.assert_array_equal(np.asarray(cache_o.indexer.entries),
+                                          numerics.round_indexer_official(written))
+        assert np.isfinite(out_o).all() and not np.array_equal(out_o, out_r)
+
+
+def test_official_numerics_agree_in_every_break_mode():
+    """The same picks and outputs in every execution mode (the wide break rounds with the same
+    functions in NumPy), as with the reference numerics."""
+    base = _layer_runs(1, "official", **helpers.EXECUTIONS["none"])
+    for mode in helpers.EXECUTIONS:
+        if mode == "none" or not helpers.runnable(mode):
+            continue
+        for (out_b, _, picks_b), (out, _, picks) in zip(base, _layer_runs(1, "official", **helpers.EXECUTIONS[mode])):
+            np.testing.assert_array_equal(picks, picks_b, err_msg=mode)
+            np.testing.assert_allclose(out, out_b, rtol=1e-6, atol=1e-6, err_msg=mode)
+
+
+def test_numerics_is_a_checked_attribute_of_the_step():
+    cfg = DeepseekV4Config.tiny()
+    with pytest.raises(ValueError, match="numerics: expected one of"):
+        DeepseekV4Attention(cfg, 1, rngs=nnx.Rngs(0), numerics="fp8")
+    attn = helpers.random_layer(cfg, 1)
+    reference = attn.step_spec()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 24, cfg.hidden_size)), jnp.float32)
+    positions = jnp.arange(24, dtype=jnp.int32)[None]
+    out_ref, _ = attn(x, positions, attn.init_cache(1, 32))
+    attn.numerics = "official"  # between calls: the official step runs, not the memo's reference one
+    assert attn.step_spec().numerics == "official" and attn.step_spec() != reference
+    out_off, _ = attn(x, positions, attn.init_cache(1, 32))
+    official = helpers.random_layer(cfg, 1, numerics="official")
+    fresh, _ = official(x, positions, official.init_cache(1, 32))
+    np.testing.assert_array_equal(np.asarray(out_off), np.asarray(fresh))
+    assert not np.array_equal(np.asarray(out_off), np.asarray(out_ref))
+    attn.numerics = "fp4"
+    with pytest.raises(ValueError, match="numerics: expected one of"):
+        attn.step_spec()
