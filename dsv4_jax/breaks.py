@@ -68,24 +68,18 @@ import numpy as np
 from . import indexer, native, sharding
 from .backend import QUERY_BLOCK, map_query_blocks
 from .config import CSA
-from .kernel_plan import REFERENCE, KernelPlan, as_kernel_plan
+from .kernel_plan import REFERENCE, KernelPlan, as_kernel_plan, check_choice
 
 BREAK_MODES = ("none", "narrow", "wide")
 BREAK_PLACES = ("auto", "host", "device")
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-    return value
-
-
 def check_break_mode(break_mode: Any) -> str:
-    return _check_choice("break_mode", break_mode, BREAK_MODES)
+    return check_choice("break_mode", break_mode, BREAK_MODES)
 
 
 def check_break_on(break_on: Any) -> str:
-    return _check_choice("break_on", break_on, BREAK_PLACES)
+    return check_choice("break_on", break_on, BREAK_PLACES)
 
 
 def check_kernels(kernels: Any) -> str | KernelPlan:

@@ -82,10 +82,10 @@ class KernelPlan:
     prefill_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        _choice("kernels.select", self.select, SELECT_CHOICES)
+        check_choice("kernels.select", self.select, SELECT_CHOICES)
         for stage in PALLAS_STAGES:
-            _choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
-        _choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
+            check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
+        check_choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
         for name in ("decode_blocks", "prefill_blocks"):
             blocks = getattr(self, name)
             if blocks is None:
@@ -98,7 +98,7 @@ class KernelPlan:
     @classmethod
     def named(cls, kernels: str) -> KernelPlan:
         """The plan a `kernels=` name stands for."""
-        _choice("kernels", kernels, KERNELS)
+        check_choice("kernels", kernels, KERNELS)
         if kernels == "xla":
             return cls(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla",
                        attention_backward="xla")
@@ -133,7 +133,9 @@ def as_kernel_plan(kernels: Any) -> KernelPlan:
     raise ValueError(f"kernels: expected one of {KERNELS} or a dsv4_jax.KernelPlan, got {kernels!r}")
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of `choices`, else a ValueError naming `name` (every string switch
+    of the layer: break_mode, break_on, kernels and the plan's stages)."""
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
     return value
