@@ -32,7 +32,7 @@ gates() {
   grep -E "bf16|passed|failed|FAILED|Error" "$OUT/gpu_gates.log" | tail -40
   if [ "${GOLDEN:-1}" = 1 ]; then
     timeout "${GOLDEN_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
-      -k "(golden and none) or agree_on_csa" >"$OUT/gpu_golden.log" 2>&1
+      tests/test_numerics.py -k "(golden and none) or agree_on_csa or official_golden" >"$OUT/gpu_golden.log" 2>&1
     echo "golden replays + mode agreement rc=$?"
     grep -E "passed|failed|FAILED|Error" "$OUT/gpu_golden.log" | tail -8
   fi

@@ -88,6 +88,80 @@ def _under_stable_topk(forward):
     return wrapped
 
 
+# The official inference's roundings at HF's call sites: (class of the caller, start of the calling
+# line) -> which rounding (`official_roundings`). Every site follows an `apply_rotary_pos_emb`.
+_OFFICIAL_SITES = {
+    ("DeepseekV4Attention", "kv = apply_rotary_pos_emb("): "kv",
+    ("DeepseekV4CSACompressor", "compressed = apply_rotary_pos_emb("): "kv",
+    ("DeepseekV4HCACompressor", "compressed = apply_rotary_pos_emb("): "kv",
+    ("DeepseekV4Indexer", "compressed = apply_rotary_pos_emb("): "indexer",
+    ("DeepseekV4Indexer", "q = apply_rotary_pos_emb("): "indexer",
+}
+
+
+def official_sites(layer_type: str) -> set:
+    """The `_OFFICIAL_SITES` a layer of this type reaches in a call that writes entries."""
+    from .config import CSA, HCA
+
+    owners = {"DeepseekV4Attention"} | {CSA: {"DeepseekV4CSACompressor", "DeepseekV4Indexer"},
+                                        HCA: {"DeepseekV4HCACompressor"}}.get(layer_type, set())
+    return {site for site in _OFFICIAL_SITES if site[0] in owners}
+
+
+@contextlib.contextmanager
+def official_roundings(rope_dim: int):
+    """Within the block, HF's DeepSeek-V4 attention rounds where DeepSeek's own inference does
+    (`dsv4_jax.numerics`, docs/numerics.md): the attention's keys and the CSA/HCA compressors'
+    new entries onto the FP8 grid (`round_kv_official`), the indexer's entries and queries by
+    Hadamard + FP4 (`round_indexer_official`), each right after its RoPE. An independent
+    placement of the roundings to check `numerics="official"` against (tests/test_hf_live.py).
+
+    HF's module-level `apply_rotary_pos_emb` is replaced for the block's duration (not thread
+    safe; restored on exit): the wrapper rounds the result when its caller is one of
+    `_OFFICIAL_SITES` (the caller's class and the calling line's text). Yields a counter of the
+    sites that rounded, so that a caller can check each was reached (a renamed variable in a
+    later transformers would otherwise silently round nothing).
+    """
+    import collections
+    import linecache
+    import sys
+
+    import ml_dtypes
+    import torch
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    from . import numerics
+
+    stock = hf.apply_rotary_pos_emb
+    counts = collections.Counter()
+
+    def round_as_official(x, kind):
+        host = x.detach().float().cpu().numpy()
+        if x.dtype == torch.bfloat16:
+            host = host.astype(ml_dtypes.bfloat16)
+        rounded = (numerics.round_kv_official(host, rope_dim) if kind == "kv"
+                   else numerics.round_indexer_official(host))
+        return torch.from_numpy(np.asarray(rounded, np.float32)).to(device=x.device, dtype=x.dtype)
+
+    @functools.wraps(stock)
+    def rope_then_round(*args, **kwargs):
+        out = stock(*args, **kwargs)
+        frame = sys._getframe(1)
+        owner = type(frame.f_locals.get("self")).__name__
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        for (cls, start), kind in _OFFICIAL_SITES.items():
+            if owner == cls and line.startswith(start):
+                counts[cls, start] += 1
+                return round_as_official(out, kind)
+        return out
+
+    hf.apply_rotary_pos_emb = rope_then_round
+    try:
+        yield counts
+    finally:
+        hf.apply_rotary_pos_emb = stock
+
+
 class HFAttentionRunner:
     """One HF attention layer with its cache; `__call__(hidden, positions) -> out` (NumPy)."""
 

@@ -49,6 +49,11 @@ class Recording:
     schedule: tuple[int, ...]  # new tokens per call
     batch: int
     seed: int
+    # "official": HF's layer with the official inference's roundings put in at its places
+    # (`dsv4_jax.hf_reference.official_roundings`), the reference of ``numerics="official"``.
+    numerics: str = "reference"
+    # With --inputs-from: the recording whose weights and inputs this one reuses (default: itself).
+    inputs_of: str | None = None
 
     @property
     def total(self) -> int:
@@ -76,6 +81,10 @@ RECORDINGS = {
         schedule=(45,) + (1,) * 7 + (13, 1, 1, 1), batch=2, seed=0,
     ),
 }
+# small_seed0's weights and inputs through the official numerics (recorded with --inputs-from
+# tests/data): the same calls, so the two files also show what the rounding changes.
+RECORDINGS["small_seed0_official.npz"] = dataclasses.replace(
+    RECORDINGS["small_seed0.npz"], numerics="official", inputs_of="small_seed0.npz")
 
 # HF model fields outside attention (no effect on it) with which the recordings were made.
 MODEL_FIELDS = dict(vocab_size=97, hc_mult=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -99,8 +108,11 @@ def meta(rec: Recording, source: str = SOURCE) -> dict:
     kwargs = hf_kwargs(rec)
     hf = hf_config(rec.config, **kwargs).to_diff_dict()
     hf.pop("_attn_implementation", None)  # how it ran, not what the model is
-    return {"hf_config": hf, "layer_types": list(rec.config.layer_types), "schedule": list(rec.schedule),
-            "batch": rec.batch, "seed": rec.seed, "source": source}
+    out = {"hf_config": hf, "layer_types": list(rec.config.layer_types), "schedule": list(rec.schedule),
+           "batch": rec.batch, "seed": rec.seed, "source": source}
+    if rec.numerics != "reference":
+        out["numerics"] = rec.numerics
+    return out
 
 
 def entries_after(rec: Recording, layer_type: str) -> list[int]:
@@ -171,9 +183,9 @@ def _keep(seen: dict, key: str):
 
 def record(rec: Recording, weights, hidden, source: str = SOURCE) -> dict[str, np.ndarray]:
     """Run the reference over `rec.schedule`: the file's arrays, `meta` included."""
-    import torch
+    import contextlib
 
-    from dsv4_jax.hf_reference import HFAttentionRunner
+    from dsv4_jax.hf_reference import HFAttentionRunner, official_roundings, official_sites
 
     arrays = {"meta": np.frombuffer(json.dumps(meta(rec, source)).encode(), np.uint8)}
     for i, layer_type in enumerate(rec.config.layer_types):
@@ -186,26 +198,38 @@ def record(rec: Recording, weights, hidden, source: str = SOURCE) -> dict[str, n
             indexer = runner.layer.compressor.indexer
             hooks = [indexer.scorer.register_forward_hook(_keep(seen, "index_scores")),
                      indexer.register_forward_hook(_keep(seen, "topk"))]
+        official = rec.numerics == "official"
+        numerics = official_roundings(rec.config.qk_rope_head_dim) if official else contextlib.nullcontext()
         try:
-            start = 0
-            for c, n in enumerate(rec.schedule):
-                prefix = f"layer{i}/call{c}/"
-                x = np.ascontiguousarray(hidden[i][:, start:start + n], np.float32)
-                positions = np.arange(start, start + n, dtype=np.int64)[None]
-                seen.clear()
-                with torch.no_grad():
-                    out = runner(x, np.broadcast_to(positions, (rec.batch, n)))
-                arrays[prefix + "hidden"] = x
-                arrays[prefix + "positions"] = positions
-                arrays[prefix + "out"] = out.astype(np.float32)
-                if layer_type == CSA:
-                    arrays[prefix + "topk"] = seen["topk"].numpy().astype(np.int64)
-                    arrays[prefix + "index_scores"] = seen["index_scores"].float().numpy()
-                start += n
+            with numerics as sites:
+                _record_calls(rec, runner, i, layer_type, hidden, seen, arrays)
+            if official and set(sites) != official_sites(layer_type):
+                raise RuntimeError(f"layer {i}: the official roundings reached {sorted(sites)}, "
+                                   f"expected {sorted(official_sites(layer_type))}")
         finally:
             for hook in hooks:
                 hook.remove()
     return arrays
+
+
+def _record_calls(rec: Recording, runner, i: int, layer_type: str, hidden, seen: dict, arrays: dict) -> None:
+    import torch
+
+    start = 0
+    for c, n in enumerate(rec.schedule):
+        prefix = f"layer{i}/call{c}/"
+        x = np.ascontiguousarray(hidden[i][:, start:start + n], np.float32)
+        positions = np.arange(start, start + n, dtype=np.int64)[None]
+        seen.clear()
+        with torch.no_grad():
+            out = runner(x, np.broadcast_to(positions, (rec.batch, n)))
+        arrays[prefix + "hidden"] = x
+        arrays[prefix + "positions"] = positions
+        arrays[prefix + "out"] = out.astype(np.float32)
+        if layer_type == CSA:
+            arrays[prefix + "topk"] = seen["topk"].numpy().astype(np.int64)
+            arrays[prefix + "index_scores"] = seen["index_scores"].float().numpy()
+        start += n
 
 
 def main(argv=None) -> int:
@@ -225,7 +249,7 @@ def main(argv=None) -> int:
     for name in args.names:
         rec = RECORDINGS[name]
         if args.inputs_from:
-            inputs = inputs_from(args.inputs_from / name, rec)
+            inputs = inputs_from(args.inputs_from / (rec.inputs_of or name), rec)
             source = f"{SOURCE}; outputs re-recorded by scripts/record_golden.py"
         else:
             inputs = make_inputs(rec)
