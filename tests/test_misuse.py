@@ -151,29 +151,20 @@ def test_past_max_seq_len_and_the_last_position(tiny, csa):
         csa(jnp.asarray(c1["hidden"]), c1["positions"] + 1, full)
 
 
-def test_unknown_break_mode(tiny, csa):
-    with pytest.raises(ValueError, match=r"break_mode: expected one of \('none', 'narrow', 'wide'\), got 'fast'"):
-        dsv4_jax.DeepseekV4Attention(tiny.cfg, CSA_LAYER, rngs=nnx.Rngs(0), break_mode="fast")
+@pytest.mark.parametrize("attr, expected, at_init, later, default", [
+    ("break_mode", r"\('none', 'narrow', 'wide'\)", "fast", "graph", "narrow"),
+    ("numerics", r"\('reference', 'official'\)", "fp8", "qat", "reference"),
+])
+def test_unknown_string_switch(tiny, csa, attr, expected, at_init, later, default):
+    with pytest.raises(ValueError, match=rf"{attr}: expected one of {expected}, got '{at_init}'"):
+        dsv4_jax.DeepseekV4Attention(tiny.cfg, CSA_LAYER, rngs=nnx.Rngs(0), **{attr: at_init})
     cache = after_first_call(tiny, csa)
-    csa.break_mode = "graph"  # an attribute: changed later, it is checked at the next call
+    setattr(csa, attr, later)  # an attribute: changed later, it is checked at the next call
     try:
-        with pytest.raises(ValueError, match=r"break_mode: expected one of .*got 'graph'"):
+        with pytest.raises(ValueError, match=rf"{attr}: expected one of .*got '{later}'"):
             csa(_h(tiny), _p(tiny), cache)
     finally:
-        csa.break_mode = "narrow"
-    next_call_is_reference(tiny, csa, cache)
-
-
-def test_unknown_numerics(tiny, csa):
-    with pytest.raises(ValueError, match=r"numerics: expected one of \('reference', 'official'\), got 'fp8'"):
-        dsv4_jax.DeepseekV4Attention(tiny.cfg, CSA_LAYER, rngs=nnx.Rngs(0), numerics="fp8")
-    cache = after_first_call(tiny, csa)
-    csa.numerics = "qat"  # an attribute: changed later, it is checked at the next call
-    try:
-        with pytest.raises(ValueError, match=r"numerics: expected one of .*got 'qat'"):
-            csa(_h(tiny), _p(tiny), cache)
-    finally:
-        csa.numerics = "reference"
+        setattr(csa, attr, default)
     next_call_is_reference(tiny, csa, cache)
 
 
