@@ -210,6 +210,23 @@ def _freqs(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- stages 2-4
+def straight_through(rounding, x):
+    """``rounding(x)`` (an official numerics round trip, `dsv4_jax.numerics`) whose gradient is
+    the straight-through estimator of quantization-aware training: the cotangent passes the
+    rounding unchanged (differentiating the round trip itself would cast the cotangent onto
+    the FP8/FP4 grid and treat the scales as constants). NumPy inputs (the wide break's host
+    twin) are rounded as they are."""
+    if isinstance(x, np.ndarray):
+        return rounding(x)
+
+    @jax.custom_vjp
+    def rounded(x):
+        return rounding(x)
+
+    rounded.defvjp(lambda x: (rounding(x), None), lambda _, cotangent: (cotangent,))
+    return rounded(x)
+
+
 def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, frozen=None,
                    count=None):
     """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert
@@ -224,7 +241,7 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
                    in_place=True)
     kv = apply_rope(kv, positions, freqs, scale=scale)
     if spec.numerics == "official":  # FP8 grid on the non-RoPE channels, before the window insert
-        kv = numerics.round_kv_official(kv, cfg.qk_rope_head_dim)
+        kv = straight_through(functools.partial(numerics.round_kv_official, rope_dim=cfg.qk_rope_head_dim), kv)
     return q, kv, insert_ring(window, kv, length, frozen, count)
 
 
@@ -262,8 +279,8 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         comp_state = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
                               position_bias=cw.position_bias, kv_norm=cw.kv_norm,
                               overlap=spec.layer_type == CSA, **common,
-                              round_entries=functools.partial(numerics.round_kv_official,
-                                                              rope_dim=cfg.qk_rope_head_dim) if official else None)
+                              round_entries=functools.partial(straight_through, functools.partial(
+                                  numerics.round_kv_official, rope_dim=cfg.qk_rope_head_dim)) if official else None)
     out = out.replace(compressor=comp_state)
     if spec.layer_type == HCA:
         return out
@@ -273,7 +290,8 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
                                position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
                                overlap=True, **common,
-                               round_entries=numerics.round_indexer_official if official else None)
+                               round_entries=functools.partial(straight_through, numerics.round_indexer_official)
+                               if official else None)
     # The indexer's input is detached, as in DeepSeek-V3.2: its own loss (`indexer_kl_loss`)
     # trains the indexer only (its picks pass no gradient back to q_residual anyway).
     q_in = inputs.q_residual
@@ -284,7 +302,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
                                 n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
                                 precision=spec.precision)
         if official:  # Hadamard + FP4, as the keys: the rotation keeps q.k, the rounding does not
-            queries = numerics.round_indexer_official(queries)
+            queries = straight_through(numerics.round_indexer_official, queries)
     visible = visible_entries(positions, spec.ratio)
     with jax.named_scope("indexer_select"):
         selected = select(queries, inputs.indexer_weights, index_state.entries, visible,

@@ -603,3 +603,38 @@ def test_the_official_recording_differs_from_the_reference_one_where_it_should(o
         changed += [len(set(a) - set(b)) / k for a, b in pairs if (b >= 0).all()]
     print(f"official vs reference recording: {np.mean(changed):.1%} of {len(changed)} full top-k sets' picks differ")
     assert 0.02 < np.mean(changed) < 0.5
+
+
+def test_gradients_pass_the_official_roundings_straight_through():
+    """QAT's straight-through estimator: the rounding's VJP is the identity (the value is the
+    rounded one); the official layer differentiates, finite, with respect to parameters and
+    input, for every layer type."""
+    from dsv4_jax.step import straight_through
+
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 40)), jnp.float32)
+    cotangent = jnp.asarray(np.random.default_rng(6).normal(size=(3, 40)), jnp.float32)
+    for rounding in (numerics.round_indexer_official, lambda v: numerics.round_kv_official(v, 8)):
+        value, vjp = jax.vjp(lambda v, r=rounding: straight_through(r, v), x)
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(rounding(x)))
+        np.testing.assert_array_equal(np.asarray(vjp(cotangent)[0]), np.asarray(cotangent))
+    cfg = DeepseekV4Config.tiny()
+    h = jnp.asarray(np.random.default_rng(7).normal(size=(1, 24, cfg.hidden_size)), jnp.float32)
+    positions = jnp.arange(24, dtype=jnp.int32)[None]
+    for layer in range(3):
+        grads = {setting: _layer_gradients(cfg, layer, setting, h, positions) for setting in ("reference", "official")}
+        leaves = [np.asarray(g) for g in jax.tree.leaves(grads["official"])]
+        assert all(np.isfinite(g).all() for g in leaves) and np.abs(leaves[-1]).max() > 0
+        assert not np.array_equal(np.asarray(grads["official"][1]), np.asarray(grads["reference"][1]))
+
+
+def _layer_gradients(cfg, layer: int, setting: str, h, positions):
+    """(d weights, d hidden) of mean(out^2) for a prefill of a random layer, break_mode none."""
+    from dsv4_jax.step import attention_step
+
+    attn = helpers.random_layer(cfg, layer, break_mode="none", numerics=setting)
+    spec, cache = attn.step_spec(), attn.init_cache(1, 32)
+
+    def loss(weights, hidden):
+        return jnp.mean(attention_step(weights, cache, hidden, positions, spec)[0] ** 2)
+
+    return jax.grad(loss, argnums=(0, 1))(attn.weights(), h)
