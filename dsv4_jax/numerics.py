@@ -53,6 +53,7 @@ import ml_dtypes
 import numpy as np
 
 from dsv4_jax.backend import Array, namespace
+from dsv4_jax.kernel_plan import check_choice
 
 NUMERICS = ("reference", "official")
 
@@ -223,6 +224,4 @@ def round_indexer_official(x: Array) -> Array:
 def check_numerics(numerics) -> str:
     """The layer's ``numerics=`` setting, checked: "reference" (transformers' numerics) or
     "official" (the official inference's roundings at the places `docs/numerics.md` lists)."""
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
-    return numerics
+    return check_choice("numerics", numerics, NUMERICS)
