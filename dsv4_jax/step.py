@@ -227,6 +227,16 @@ def straight_through(rounding, x):
     return rounded(x)
 
 
+def official_roundings(spec: StepSpec) -> tuple:
+    """(the main attention's KV rounding, the indexer's rounding): functions of an array with
+    straight-through gradients under ``numerics="official"``, None under "reference"."""
+    if spec.numerics != "official":
+        return None, None
+    round_kv = functools.partial(numerics.round_kv_official, rope_dim=spec.cfg.qk_rope_head_dim)
+    return (functools.partial(straight_through, round_kv),
+            functools.partial(straight_through, numerics.round_indexer_official))
+
+
 def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, frozen=None,
                    count=None):
     """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert
@@ -240,8 +250,9 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale,
                    in_place=True)
     kv = apply_rope(kv, positions, freqs, scale=scale)
-    if spec.numerics == "official":  # FP8 grid on the non-RoPE channels, before the window insert
-        kv = straight_through(functools.partial(numerics.round_kv_official, rope_dim=cfg.qk_rope_head_dim), kv)
+    round_kv, _ = official_roundings(spec)
+    if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert
+        kv = round_kv(kv)
     return q, kv, insert_ring(window, kv, length, frozen, count)
 
 
@@ -264,7 +275,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
                   frozen=frozen, count=count, kernel=spec.plan.kernels.compress)
-    official = spec.numerics == "official"
+    round_kv, round_indexer = official_roundings(spec)
 
     # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
     with jax.named_scope("wq_b_kv_insert"):
@@ -279,8 +290,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         comp_state = compress(inputs.compressor_kv, inputs.compressor_gate, cache.compressor, length,
                               position_bias=cw.position_bias, kv_norm=cw.kv_norm,
                               overlap=spec.layer_type == CSA, **common,
-                              round_entries=functools.partial(straight_through, functools.partial(
-                                  numerics.round_kv_official, rope_dim=cfg.qk_rope_head_dim)) if official else None)
+                              round_entries=round_kv)
     out = out.replace(compressor=comp_state)
     if spec.layer_type == HCA:
         return out
@@ -290,8 +300,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         index_state = compress(inputs.indexer_kv, inputs.indexer_gate, cache.indexer, length,
                                position_bias=iw.compressor.position_bias, kv_norm=iw.compressor.kv_norm,
                                overlap=True, **common,
-                               round_entries=functools.partial(straight_through, numerics.round_indexer_official)
-                               if official else None)
+                               round_entries=round_indexer)
     # The indexer's input is detached, as in DeepSeek-V3.2: its own loss (`indexer_kl_loss`)
     # trains the indexer only (its picks pass no gradient back to q_residual anyway).
     q_in = inputs.q_residual
@@ -301,8 +310,8 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
                                 n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
                                 precision=spec.precision)
-        if official:  # Hadamard + FP4, as the keys: the rotation keeps q.k, the rounding does not
-            queries = straight_through(numerics.round_indexer_official, queries)
+        if round_indexer is not None:  # Hadamard + FP4, as the keys: the rotation keeps q.k, the rounding does not
+            queries = round_indexer(queries)
     visible = visible_entries(positions, spec.ratio)
     with jax.named_scope("indexer_select"):
         selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
