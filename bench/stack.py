@@ -144,7 +144,9 @@ class Stack:
         self.layer_type = "+".join(plan_mod.SHORT[t] for t in dict.fromkeys(types))
 
     def empty_caches(self, batch: int, max_seq_len: int):
-        return [a.init_cache(batch, max_seq_len).replace(layer_idx=-1) for a in self.layers]
+        # allow_long_context: a decode from a context of max_position_embeddings tokens needs a
+        # few slots past it (the steps timed, rounded up); the cost is what is measured here.
+        return [a.init_cache(batch, max_seq_len, allow_long_context=True).replace(layer_idx=-1) for a in self.layers]
 
     def synthetic_caches(self, batch: int, max_seq_len: int, context: int, seed: int):
         """Caches as after `context` tokens: every leaf random (see the module docstring)."""
@@ -512,7 +514,8 @@ KERNEL_FLAGS = {"decode_attention": ("decode_kernel", "no_decode_kernel"),
 def kernel_plan(args, kernels="auto") -> KernelPlan:
     """`kernels` (a mode's name or plan) with the command line's A/B switches: --(no-)decode-kernel,
     --(no-)prefill-kernel, --(no-)compress-kernel ("pallas" / "xla" for that stage), --decode-blocks
-    and --prefill-blocks (the kernel's blocks wherever it runs for that phase)."""
+    and --prefill-blocks (the kernel's blocks wherever it runs for that phase), --select-segments
+    (blocks a row of the native top-k)."""
     plan = as_kernel_plan(kernels)
     changes = {}
     for stage, (on, off) in KERNEL_FLAGS.items():
@@ -524,6 +527,8 @@ def kernel_plan(args, kernels="auto") -> KernelPlan:
         blocks = getattr(args, f"{phase}_blocks", None)
         if blocks:  # bk,bh,warps,stages[,skip]
             changes[f"{phase}_blocks"] = tuple(int(v) for v in blocks.split(","))
+    if getattr(args, "select_segments", None):
+        changes["select_segments"] = args.select_segments
     return dataclasses.replace(plan, **changes)
 
 
@@ -710,6 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compress-kernel", action="store_true",
                     help="the compressor's decode pooling kernel on CUDA for every shape it takes "
                          "(compress = 'pallas')")
+    ap.add_argument("--select-segments", default=None, type=int, metavar="P",
+                    help="blocks a query row of the native CUDA top-k (KernelPlan select_segments; 1: one "
+                         "block a row; default: native.topk_segments)")
     ap.add_argument("--render", default=None, metavar="JSON")
     ap.add_argument("--prefill-chunk", default=None, type=prefill_chunk_arg, metavar="N|auto",
                     help="stack_prefill as consecutive calls of N tokens (auto: the largest chunk whose estimated "

@@ -14,6 +14,11 @@
 //
 // The top-k-only entry point takes scores [..., S, T] float32 and visible [..., S] and gives
 // the picks, with the same ordering rule (scores at t >= visible are ignored).
+//
+// Both targets have a last output, workspace [..., S, W] int32, for the CUDA top-k: W = 0 (one
+// block a row) or 2 * P * K, P > 1 segments a row, each taken by its own block (their K best
+// pairs are merged after). The caller chooses P (dsv4_jax.native.topk_segments); the CPU
+// handlers leave it untouched.
 #pragma once
 
 #include <cstdint>
@@ -115,6 +120,22 @@ inline xla::ffi::Error ParseDims(const xla::ffi::AnyBuffer* queries, xla::ffi::S
                                   DimsToString(weights) + ", keys " + DimsToString(keys_or_scores) + ", visible " +
                                   DimsToString(visible) + ", scores " + DimsToString(scores_out));
   }
+  return Error::Success();
+}
+
+// The workspace output [..., S, W]: W = 0 (one block a row) or 2 * P * K; `segments` gets P.
+inline xla::ffi::Error ParseWorkspace(xla::ffi::Span<const int64_t> workspace, const SelectDims& d, int64_t* segments) {
+  using xla::ffi::Error;
+  *segments = 1;
+  if (workspace.size() < 2) return Error::InvalidArgument("dsv4 select_topk: workspace must be [..., S, W], got " + DimsToString(workspace));
+  const int64_t width = workspace[workspace.size() - 1];
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < workspace.size(); ++i) rows *= workspace[i];
+  if (rows != d.rows * d.seq || (width != 0 && (d.top_k == 0 || width % (2 * d.top_k) != 0))) {
+    return Error::InvalidArgument("dsv4 select_topk: workspace " + DimsToString(workspace) + " is not [..., S, 0] or [..., S, 2 * P * " +
+                                  std::to_string(d.top_k) + "] for " + std::to_string(d.rows * d.seq) + " query rows");
+  }
+  if (width != 0) *segments = width / (2 * d.top_k);
   return Error::Success();
 }
 

@@ -82,7 +82,8 @@ void Select(const In* queries, const float* weights, const In* keys, const int32
 
 ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
                           ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
-                          ffi::Result<ffi::Buffer<ffi::F32>> scores) {
+                          ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                          ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   SelectDims d;
   if (ffi::Error e = ParseDims(&queries, weights.dimensions(), keys.dimensions(), visible.dimensions(),
                                picks->dimensions(), scores->dimensions(), &d);
@@ -109,7 +110,8 @@ ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
 }
 
 ffi::Error TopkImpl(ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> visible,
-                    ffi::Result<ffi::Buffer<ffi::S32>> picks) {
+                    ffi::Result<ffi::Buffer<ffi::S32>> picks,
+                    ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   SelectDims d;
   if (ffi::Error e = ParseDims(nullptr, {}, scores.dimensions(), visible.dimensions(), picks->dimensions(), {}, &d);
       e.failure()) {
@@ -133,13 +135,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkCpu, dsv4::SelectTopkImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());  // the CUDA top-k's workspace: unused
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCpu, dsv4::TopkImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());  // the CUDA top-k's workspace: unused
 
 // ---------------------------------------------------------------------------- Python module
 namespace {

@@ -8,7 +8,9 @@
 //   ScoreKernelMma  the same scores for bfloat16 inputs with 16, 32 or 64 heads and dim a
 //                   multiple of 16: a tensor-core GEMM (mma.sync) over cp.async-pipelined key
 //                   tiles, the relu / weight / head sum in the epilogue (see the kernel).
-//   TopkKernel      one block per query row (its keys staged in shared memory up to 32k slots):
+//   TopkKernel      one block per query row (its keys staged in shared memory up to 32k slots),
+//                   or, for a few long rows, one block per segment of a row and a second launch
+//                   that merges the segments' K best (the workspace output holds them):
 //                   a linear histogram over the row's score range finds the bin of the K-th
 //                   largest entry; that bin and everything above it are sorted as (score key,
 //                   complemented index) composites (a register bitonic sort), so equal scores
@@ -464,20 +466,48 @@ __device__ void SortDescending(uint64_t* cand, int size) {
   __syncthreads();
 }
 
-// grid (rows * seq), block kTopkThreads, shared: capacity uint64 (+ slots uint32 when kStaged).
+// What one launch of TopkKernel reads and writes. Three uses:
+//   a row a block:   scores [rows, slots] -> picks [rows, K]             (segment == slots)
+//   segments:        block (row, p) takes entries [p * segment, (p + 1) * segment) of the row and
+//                    writes its K best as (score, entry index) pairs, best first, padded with
+//                    (kPadScore, -1), at seg_scores / seg_index [row * out_stride + p * K + i]
+//   the merge:       a row is the P * K pairs of its segments (scores at row * row_stride,
+//                    visible == nullptr: every slot), picks are mapped through `index_map`.
+// The merge's ties fall to the lower entry index because the pairs are laid out by segment in
+// entry order and each segment's pairs are sorted with equal scores in index order: among equal
+// scores the lower slot is the lower entry index, and the composites order by slot.
+struct TopkArgs {
+  const float* scores = nullptr;
+  const int32_t* visible = nullptr;  // [rows]; nullptr: every slot of the row is visible
+  int64_t slots = 0;                 // entries of a row
+  int64_t row_stride = 0;            // floats between rows of `scores`
+  int64_t segment = 0;               // entries a block takes (== slots: one block a row)
+  int top_k = 0, sort_size = 0, capacity = 0;
+  int32_t* picks = nullptr;            // [rows, K], unless seg_scores
+  const int32_t* index_map = nullptr;  // the merge: entry index of each slot (same layout as scores)
+  float* seg_scores = nullptr;         // segments: [rows, out_stride] pairs' scores ...
+  int32_t* seg_index = nullptr;        // ... and entry indices
+  int64_t out_stride = 0;
+};
+
+// A padding pair's score: the float whose ordered key is 0, below every real score's key
+// (-inf included), so padding sorts after every entry and never displaces one.
+constexpr uint32_t kPadScoreBits = 0xFFFFFFFFu;
+
+// grid (rows * seq, segments), block kTopkThreads, shared: capacity uint64 (+ segment uint32 when kStaged).
 template <bool kStaged>
-__global__ void __launch_bounds__(kTopkThreads, 1)
-    TopkKernel(const float* __restrict__ scores, const int32_t* __restrict__ visible, int32_t* __restrict__ picks,
-               int64_t slots, int top_k, int sort_size, int capacity) {
+__global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) {
   extern __shared__ __align__(16) unsigned char topk_smem[];
+  const int capacity = a.capacity, top_k = a.top_k, sort_size = a.sort_size;
   uint64_t* cand = reinterpret_cast<uint64_t*>(topk_smem);          // [capacity] candidate composites
   uint32_t* staged = reinterpret_cast<uint32_t*>(cand + capacity);  // kStaged: [n] ordered keys of the row
   __shared__ uint32_t hist[kBins];
   __shared__ uint32_t warp_counts[kTopkThreads / 32], warp_min[kTopkThreads / 32], warp_max[kTopkThreads / 32];
   __shared__ uint32_t chosen_bin, above_bin, equal_count, slot_counter;
-  const int64_t row = blockIdx.x;
-  const float* s = scores + row * slots;
-  const int64_t n = VisibleCount(visible[row], slots);
+  const int64_t row = blockIdx.x, first = static_cast<int64_t>(blockIdx.y) * a.segment;
+  const float* s = a.scores + row * a.row_stride + first;
+  const int64_t visible = a.visible ? VisibleCount(a.visible[row], a.slots) : a.slots;
+  const int64_t n = min(max(visible - first, int64_t{0}), a.segment);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t stride = blockDim.x, batch_span = stride * kLoadBatch;
   auto load = [&](int64_t base, uint32_t(&keys)[kLoadBatch]) {
@@ -663,9 +693,19 @@ __global__ void __launch_bounds__(kTopkThreads, 1)
     case 4: SortDescending<4>(cand, size); break;
     default: SortDescending<8>(cand, size); break;
   }
-  int32_t* out = picks + row * top_k;
+  if (a.seg_scores != nullptr) {  // a segment's K best pairs
+    const int64_t out = row * a.out_stride + static_cast<int64_t>(blockIdx.y) * top_k;
+    for (int i = tid; i < top_k; i += blockDim.x) {
+      const bool real = i < n_cand;
+      a.seg_scores[out + i] = real ? KeyToFloat(static_cast<uint32_t>(cand[i] >> 32)) : __uint_as_float(kPadScoreBits);
+      a.seg_index[out + i] = real ? static_cast<int32_t>(first + (0xFFFFFFFFu - static_cast<uint32_t>(cand[i] & 0xFFFFFFFFu))) : -1;
+    }
+    return;
+  }
+  int32_t* out = a.picks + row * top_k;
   for (int i = tid; i < top_k; i += blockDim.x) {
-    out[i] = i < n_cand ? static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(cand[i] & 0xFFFFFFFFu)) : -1;
+    const int32_t slot = i < n_cand ? static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(cand[i] & 0xFFFFFFFFu)) : -1;
+    out[i] = (a.index_map != nullptr && slot >= 0) ? a.index_map[row * a.row_stride + slot] : slot;
   }
 }
 
@@ -679,26 +719,71 @@ int SortSize(int64_t top_k) {
 // kMaxSortSize (the register sort holds 8 per thread).
 int Capacity(int sort_size) { return std::min(kMaxSortSize, std::max(kMinCapacity, 2 * sort_size)); }
 
+// Opts `kernel` in to `dynamic` bytes of dynamic shared memory where its static and dynamic
+// shared memory together pass the 48 KiB a launch gets without asking (past it the launch fails
+// with "invalid argument"). False if the device cannot give that much.
+template <typename Kernel>
+bool ReserveDynamicShared(Kernel kernel, size_t dynamic) {
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) return false;
+  if (dynamic + attributes.sharedSizeBytes <= 48 * 1024) return true;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic)) ==
+         cudaSuccess;
+}
+
+ffi::Error LaunchTopkKernel(cudaStream_t stream, const TopkArgs& args, dim3 grid) {
+  const size_t cand_bytes = args.capacity * sizeof(uint64_t);
+  auto launch = [&](auto kernel, size_t shared) -> ffi::Error {
+    if (!ReserveDynamicShared(kernel, shared)) {
+      return ffi::Error::Internal("dsv4 select_topk (CUDA): cannot reserve shared memory for the top-k");
+    }
+    kernel<<<grid, kTopkThreads, shared, stream>>>(args);
+    return ffi::Error::Success();
+  };
+  if (args.segment <= kMaxStagedSlots) return launch(TopkKernel<true>, cand_bytes + args.segment * sizeof(uint32_t));
+  return launch(TopkKernel<false>, cand_bytes);
+}
+
+// The top-k of every row. `segments` <= 1: one block a row. Otherwise (long rows, few of them:
+// dsv4_jax.native.topk_segments decides) each row is cut into `segments` pieces taken by as many
+// blocks, whose K best pairs land in `workspace` [rows, 2 * segments * K] (scores, then entry
+// indices), and a second launch merges each row's pairs: the same picks, the row spread over
+// many SMs instead of one.
 ffi::Error LaunchTopk(cudaStream_t stream, const float* scores, const int32_t* visible, int32_t* picks,
-                      const SelectDims& d) {
+                      const SelectDims& d, int32_t* workspace, int64_t segments) {
   if (d.top_k > kMaxSortSize) {
     return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_topk " + std::to_string(d.top_k) +
                                        " is above the kernel's limit of " + std::to_string(kMaxSortSize));
   }
-  const int sort_size = SortSize(d.top_k), capacity = Capacity(sort_size);
-  const unsigned blocks = static_cast<unsigned>(d.rows * d.seq);
-  const size_t cand_bytes = capacity * sizeof(uint64_t);
-  auto launch = [&](auto kernel, size_t shared) -> ffi::Error {
-    if (shared > 48 * 1024 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)) != cudaSuccess) {
-      return ffi::Error::Internal("dsv4 select_topk (CUDA): cannot reserve shared memory for the top-k");
-    }
-    kernel<<<blocks, kTopkThreads, shared, stream>>>(scores, visible, picks, d.slots, static_cast<int>(d.top_k),
-                                                    sort_size, capacity);
-    return ffi::Error::Success();
-  };
-  if (d.slots <= kMaxStagedSlots) return launch(TopkKernel<true>, cand_bytes + d.slots * sizeof(uint32_t));
-  return launch(TopkKernel<false>, cand_bytes);
+  TopkArgs args;
+  args.top_k = static_cast<int>(d.top_k);
+  args.sort_size = SortSize(d.top_k);
+  args.capacity = Capacity(args.sort_size);
+  const unsigned rows = static_cast<unsigned>(d.rows * d.seq);
+  if (segments <= 1) {
+    args.scores = scores;
+    args.visible = visible;
+    args.slots = args.row_stride = args.segment = d.slots;
+    args.picks = picks;
+    return LaunchTopkKernel(stream, args, dim3(rows));
+  }
+  const int64_t pairs = segments * d.top_k;
+  TopkArgs seg = args;
+  seg.scores = scores;
+  seg.visible = visible;
+  seg.slots = seg.row_stride = d.slots;
+  seg.segment = (d.slots + segments - 1) / segments;
+  seg.seg_scores = reinterpret_cast<float*>(workspace);
+  seg.seg_index = workspace + pairs;
+  seg.out_stride = 2 * pairs;
+  if (ffi::Error e = LaunchTopkKernel(stream, seg, dim3(rows, static_cast<unsigned>(segments))); e.failure()) return e;
+  TopkArgs merge = args;
+  merge.scores = reinterpret_cast<const float*>(workspace);
+  merge.slots = merge.segment = pairs;
+  merge.row_stride = 2 * pairs;
+  merge.index_map = workspace + pairs;
+  merge.picks = picks;
+  return LaunchTopkKernel(stream, merge, dim3(rows));
 }
 
 template <typename In>
@@ -709,9 +794,7 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
     if ((d.heads == 16 || d.heads == 32 || d.heads == 64) && d.dim % 16 == 0) {  // the tensor-core path
       auto kernel = d.heads == 64 ? ScoreKernelMma<64> : d.heads == 32 ? ScoreKernelMma<32> : ScoreKernelMma<16>;
       const size_t shared = MmaSharedBytes(static_cast<int>(d.heads), static_cast<int>(d.dim));
-      if (shared > 48 * 1024 &&
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)) !=
-              cudaSuccess) {
+      if (!ReserveDynamicShared(kernel, shared)) {
         return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
       }
       // Enough blocks to fill the card (~4 per SM of an H200), each as many tiles as that allows (<= 8).
@@ -727,11 +810,8 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
   const size_t shared = static_cast<size_t>(d.heads * d.dim + d.heads) * sizeof(float);
   const bool fast = d.heads == kFastHeads && d.dim % 8 == 0;
   auto kernel = fast ? ScoreKernel<In, kFastHeads> : ScoreKernel<In, 0>;
-  if (shared > 48 * 1024) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)) !=
-        cudaSuccess) {
-      return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
-    }
+  if (!ReserveDynamicShared(kernel, shared)) {
+    return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
   }
   const dim3 grid(static_cast<unsigned>(d.rows * d.seq), static_cast<unsigned>((d.slots + kScoreThreads - 1) / kScoreThreads));
   kernel<<<grid, kScoreThreads, shared, stream>>>(static_cast<const In*>(queries), weights, static_cast<const In*>(keys),
@@ -748,13 +828,15 @@ ffi::Error LastLaunchError() {
 
 ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
                           ffi::AnyBuffer keys, ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
-                          ffi::Result<ffi::Buffer<ffi::F32>> scores) {
+                          ffi::Result<ffi::Buffer<ffi::F32>> scores, ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
   SelectDims d;
   if (ffi::Error e = ParseDims(&queries, weights.dimensions(), keys.dimensions(), visible.dimensions(),
                                picks->dimensions(), scores->dimensions(), &d);
       e.failure()) {
     return e;
   }
+  int64_t segments = 1;
+  if (ffi::Error e = ParseWorkspace(workspace->dimensions(), d, &segments); e.failure()) return e;
   if (queries.element_type() != keys.element_type()) {
     return ffi::Error::InvalidArgument("dsv4 select_topk: queries and keys must share a dtype");
   }
@@ -773,21 +855,27 @@ ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buff
       return ffi::Error::InvalidArgument("dsv4 select_topk: queries/keys must be float32 or bfloat16");
   }
   if (launched.failure()) return launched;
-  if (ffi::Error e = LaunchTopk(stream, scores->typed_data(), visible.typed_data(), picks->typed_data(), d); e.failure()) {
+  if (ffi::Error e = LaunchTopk(stream, scores->typed_data(), visible.typed_data(), picks->typed_data(), d,
+                                workspace->typed_data(), segments);
+      e.failure()) {
     return e;
   }
   return LastLaunchError();
 }
 
 ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> visible,
-                    ffi::Result<ffi::Buffer<ffi::S32>> picks) {
+                    ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
   SelectDims d;
   if (ffi::Error e = ParseDims(nullptr, {}, scores.dimensions(), visible.dimensions(), picks->dimensions(), {}, &d);
       e.failure()) {
     return e;
   }
+  int64_t segments = 1;
+  if (ffi::Error e = ParseWorkspace(workspace->dimensions(), d, &segments); e.failure()) return e;
   if (d.rows * d.seq == 0 || d.slots == 0) return ffi::Error::Success();
-  if (ffi::Error e = LaunchTopk(stream, scores.typed_data(), visible.typed_data(), picks->typed_data(), d); e.failure()) {
+  if (ffi::Error e = LaunchTopk(stream, scores.typed_data(), visible.typed_data(), picks->typed_data(), d,
+                                workspace->typed_data(), segments);
+      e.failure()) {
     return e;
   }
   return LastLaunchError();
@@ -804,12 +892,14 @@ ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buff
       .Arg<ffi::AnyBuffer>()                         \
       .Arg<ffi::Buffer<ffi::S32>>()                  \
       .Ret<ffi::Buffer<ffi::S32>>()                  \
-      .Ret<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()
 #define DSV4_TOPK_BINDING                            \
   ffi::Ffi::Bind()                                   \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
       .Arg<ffi::Buffer<ffi::F32>>()                  \
       .Arg<ffi::Buffer<ffi::S32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()                  \
       .Ret<ffi::Buffer<ffi::S32>>()
 
 // The eager break: no traits, so XLA ends its command buffer before this thunk.

@@ -111,7 +111,8 @@ class BreakPlan:
     def indexer_select(self) -> Callable[..., Any]:
         """The `select_topk` that `step.run_stages` calls for this plan."""
         if self.native_select:
-            select = functools.partial(_select_native, graph=self.mode == "none")
+            select = functools.partial(_select_native, graph=self.mode == "none",
+                                       segments=self.kernels.select_segments)
         elif self.mode == "narrow":
             select = _select_on_host
         else:
@@ -304,12 +305,13 @@ def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k,
 
 
 def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
-                   graph: bool) -> indexer.Selection:
+                   graph: bool, segments: int | None = None) -> indexer.Selection:
     """The native selection, blocked over queries like `indexer.select_topk` (bounds the
-    [B, block, T] scores of long prefills); the eager break unless `graph`."""
+    [B, block, T] scores of long prefills); the eager break unless `graph`; `segments` as
+    `KernelPlan.select_segments`."""
 
     def select_block(q, w, vis, k):
-        picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph)
+        picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph, segments=segments)
         if with_scores and graph:  # break_mode="none": differentiable like the XLA scores (indexer_kl_loss)
             scores = _scores_with_gradient(scores, q, w, k, vis)
         return indexer.Selection(picks, scores if with_scores else None)

@@ -71,6 +71,9 @@ class KernelPlan:
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
         some, else `sparse_attention_kernel.FORCED_BLOCKS`.
+    select_segments: blocks a query row of the native CUDA top-k takes (A/B runs): None, the
+        policy `native.topk_segments` (long rows among few are cut into segments merged after);
+        1, one block a row. The picks are the same for every value.
     """
 
     select: str = "auto"
@@ -80,6 +83,7 @@ class KernelPlan:
     attention_backward: str = "auto"
     decode_blocks: tuple[int, ...] | None = None
     prefill_blocks: tuple[int, ...] | None = None
+    select_segments: int | None = None
 
     def __post_init__(self):
         check_choice("kernels.select", self.select, SELECT_CHOICES)
@@ -94,6 +98,9 @@ class KernelPlan:
                     or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in blocks)):
                 raise ValueError(f"kernels.{name}: expected (block_keys, block_heads, num_warps, num_stages"
                                  f"[, skip_masked_blocks]) as a tuple of 4 or 5 ints, got {blocks!r}")
+        segments = self.select_segments
+        if segments is not None and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
+            raise ValueError(f"kernels.select_segments: expected None or an int >= 1, got {segments!r}")
 
     @classmethod
     def named(cls, kernels: str) -> KernelPlan:

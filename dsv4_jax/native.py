@@ -111,12 +111,50 @@ def _register_all() -> None:
         _registered(platform)
 
 
-def select_topk(queries, weights, keys, visible, *, top_k: int, graph: bool):
+# The CUDA top-k takes a row in one block of threads (staged in its shared memory up to 32,768
+# entries). A decode step of a long context has few rows and long ones (B = 1 at 1M tokens: one
+# row of 262,144 CSA entries, one SM of 132 busy), so such rows are cut into segments, one
+# block each, whose K best are merged by a second launch (csrc/select_topk_cuda.cu LaunchTopk).
+SEGMENT_MIN_SLOTS = 32768  # rows up to this length: one block a row (staged: one pass over memory)
+SEGMENT_MAX_ROWS = 64  # more rows than this fill the card one block a row (a prefill's query block)
+SEGMENT_TARGET_BLOCKS = 264  # two blocks per SM of an H200
+SEGMENT_MIN_LENGTH = 8192  # entries a segment takes, at least (a segment's cost is mostly fixed)
+SEGMENT_MAX_PAIRS = 16384  # P * K: the merge's row (32 segments at K = 512)
+
+
+def topk_segments(rows: int, slots: int, top_k: int) -> int:
+    """Segments per row of the CUDA top-k for `rows` rows of `slots` entries (1: a block a row).
+
+    Long rows (> `SEGMENT_MIN_SLOTS` entries) among few (<= `SEGMENT_MAX_ROWS`): about
+    `SEGMENT_TARGET_BLOCKS` blocks in all, each segment at least `SEGMENT_MIN_LENGTH` entries,
+    and at most `SEGMENT_MAX_PAIRS` pairs for the merge of a row.
+    """
+    if slots <= SEGMENT_MIN_SLOTS or rows > SEGMENT_MAX_ROWS or top_k <= 0:
+        return 1
+    wanted = min(-(-SEGMENT_TARGET_BLOCKS // max(rows, 1)), SEGMENT_MAX_PAIRS // top_k, slots // SEGMENT_MIN_LENGTH)
+    return max(1, wanted)
+
+
+def _workspace(lead_and_seq: tuple[int, ...], slots: int, top_k: int, segments: int | None):
+    """The handlers' workspace output [..., S, 2 * P * K] int32 (W = 0 with one block a row)."""
+    rows = 1
+    for n in lead_and_seq:
+        rows *= n
+    p = topk_segments(rows, slots, top_k) if segments is None else segments
+    if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+        raise ValueError(f"segments: expected None or an int >= 1, got {segments!r}")
+    p = min(p, max(slots, 1))
+    return jax.ShapeDtypeStruct((*lead_and_seq, 2 * p * top_k if p > 1 else 0), jnp.int32)
+
+
+def select_topk(queries, weights, keys, visible, *, top_k: int, graph: bool, segments: int | None = None):
     """(picks int32 [..., S, top_k], scores float32 [..., S, T]) from the native handler.
 
     queries [..., S, nI, c] and keys [..., T, c] in float32 or bfloat16 (other dtypes are
     computed in float32), weights float32 [..., S, nI], visible int32 [..., S]. `graph`
     picks the command-buffer-compatible target (no break) over the eager break.
+    `segments`: blocks a row of the CUDA top-k (None: `topk_segments`; the picks are the
+    same for every value; the CPU handler has one path).
     The inputs carry no gradient (the picks are integers; see `indexer_kl_loss` for the
     indexer's training signal); `vmap` adds leading dims, which the handler accepts.
     """
@@ -132,22 +170,27 @@ def select_topk(queries, weights, keys, visible, *, top_k: int, graph: bool):
     out_types = (
         jax.ShapeDtypeStruct((*lead_and_seq, top_k), jnp.int32),
         jax.ShapeDtypeStruct((*lead_and_seq, keys.shape[-2]), jnp.float32),
+        _workspace(lead_and_seq, keys.shape[-2], top_k, segments),
     )
     name = "dsv4_select_topk_graph" if graph else "dsv4_select_topk"
-    return jax.ffi.ffi_call(name, out_types, vmap_method="broadcast_all")(*args)
+    picks, scores, _ = jax.ffi.ffi_call(name, out_types, vmap_method="broadcast_all")(*args)
+    return picks, scores
 
 
-def topk(scores, visible, *, top_k: int, graph: bool = True):
+def topk(scores, visible, *, top_k: int, graph: bool = True, segments: int | None = None):
     """int32 [..., S, top_k]: the native top-k of float32 scores [..., S, T] over ``t < visible``.
 
     Descending score, equal scores to the lower index, -1 padding (as `indexer.picks_from_scores`
-    on scores that are -inf from `visible` on).
+    on scores that are -inf from `visible` on). `segments` as in `select_topk`.
     """
     _register_all()
-    out_type = jax.ShapeDtypeStruct((*scores.shape[:-1], top_k), jnp.int32)
+    scores = jnp.asarray(scores, jnp.float32)
+    out_types = (jax.ShapeDtypeStruct((*scores.shape[:-1], top_k), jnp.int32),
+                 _workspace(scores.shape[:-1], scores.shape[-1], top_k, segments))
     name = "dsv4_topk_graph" if graph else "dsv4_topk"
-    return jax.ffi.ffi_call(name, out_type, vmap_method="broadcast_all")(
-        jax.lax.stop_gradient(jnp.asarray(scores, jnp.float32)), jnp.asarray(visible, jnp.int32))
+    picks, _ = jax.ffi.ffi_call(name, out_types, vmap_method="broadcast_all")(
+        jax.lax.stop_gradient(scores), jnp.asarray(visible, jnp.int32))
+    return picks
 
 
-__all__ = ["available", "native_info", "platform_name", "select_topk", "topk", "unavailable_reason"]
+__all__ = ["available", "native_info", "platform_name", "select_topk", "topk", "topk_segments", "unavailable_reason"]

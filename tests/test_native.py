@@ -81,7 +81,7 @@ def spread_rows(rng, slots: int) -> np.ndarray:
 
 
 @needs_native
-@pytest.mark.parametrize("slots", [1000, 4096, 16384, 40000])  # 40000: not staged in shared memory
+@pytest.mark.parametrize("slots", [1000, 4096, 9000, 16384, 40000])  # 9000: > 48 KiB shared; 40000: not staged
 @pytest.mark.parametrize("k", [1, 7, 512, 1024, 4096])
 def test_topk_paths_on_spread_and_skewed_rows(slots, k):
     rng = np.random.default_rng(slots + k)
@@ -100,6 +100,43 @@ def test_topk_rows_with_nothing_or_only_minus_inf():
     assert (got[0] == -1).all()
     assert got[1, 0].tolist() == list(range(7))  # -inf ties: lower index first
     np.testing.assert_array_equal(got, reference_picks(scores, visible, 7))
+
+
+@needs_native
+@pytest.mark.parametrize("segments", [2, 7, 32])
+@pytest.mark.parametrize("k", [7, 512])
+def test_topk_in_segments_gives_the_same_picks(segments, k):
+    """Long rows cut into segments (on CUDA one block each, their K best merged after): the
+    picks of one block a row, whatever the cut: ties at the threshold straddling the cuts (the
+    lower index still wins), every path of a segment's top-k, rows seeing less than a segment,
+    fewer entries than k (padding), nothing at all."""
+    rng = np.random.default_rng(segments * 1000 + k)
+    slots = 100_003
+    scores = np.concatenate([spread_rows(rng, slots), quantized_rows(rng, 3, slots, 3)])
+    scores[8, 0, ::3] = 1000.0  # more equal scores at the top than k, in every segment
+    few = 3 if k == 7 else 300  # fewer visible entries than k: -1 padding
+    visible = np.array([[slots], [slots - 3], [slots], [slots], [slots - 1], [slots // 2], [slots], [few], [slots]],
+                       np.int32)
+    want = reference_picks(scores, visible, k)
+    for graph in (False, True):
+        got = np.asarray(native.topk(scores, visible, top_k=k, graph=graph, segments=segments))
+        np.testing.assert_array_equal(got, want, err_msg=f"graph={graph}")
+    no_rows = np.asarray(native.topk(scores[:1], np.zeros((1, 1), np.int32), top_k=k, segments=segments))
+    assert (no_rows == -1).all()
+
+
+def test_topk_segments_policy():
+    """Segments only for long rows among few: a decode step at a long context, not a prefill's
+    query block; about two blocks per SM, segments of 8k entries or more, a merge of <= 16k pairs."""
+    assert native.topk_segments(1, 262144, 512) == 32  # B = 1 at 1M tokens (CSA entries)
+    assert native.topk_segments(8, 262144, 512) == 32
+    assert native.topk_segments(32, 262144, 512) == 9
+    assert native.topk_segments(1, 65536, 512) == 8  # 256k tokens: segments of 8k
+    assert native.topk_segments(1, 32768, 512) == 1  # staged whole in one block
+    assert native.topk_segments(128, 262144, 512) == 1  # a prefill's query block fills the card
+    assert native.topk_segments(1, 262144, 4096) == 4  # the merge's row stays at 16k pairs
+    with pytest.raises(ValueError, match="segments"):
+        native.topk(np.zeros((1, 1, 8), np.float32), np.ones((1, 1), np.int32), top_k=2, segments=0)
 
 
 # ---------------------------------------------------------------------------- scoring + top-k
@@ -138,6 +175,20 @@ def test_select_topk_at_indexer_sizes_in_bf16(graph):
     rng = np.random.default_rng(5)
     args = random_selection_inputs(rng, jnp.bfloat16, batch=3, seq=2, heads=64, dim=128, slots=700)
     check_native_scores_and_picks(args, graph)
+
+
+@needs_native
+def test_select_topk_over_long_rows_in_segments():
+    """A decode step at 1M tokens' CSA entries (262,144 a row, B = 2): the default segments give
+    the picks of one block a row and of the XLA twin."""
+    rng = np.random.default_rng(8)
+    args = random_selection_inputs(rng, jnp.bfloat16, batch=2, seq=1, heads=16, dim=16, slots=262144)
+    args = (*args[:3], jnp.asarray([[262144], [200_001]], jnp.int32))
+    assert native.topk_segments(2, 262144, 512) > 1
+    picks, scores = jax.jit(lambda *a: native.select_topk(*a, top_k=512, graph=True))(*args)
+    one_block, _ = jax.jit(lambda *a: native.select_topk(*a, top_k=512, graph=True, segments=1))(*args)
+    np.testing.assert_array_equal(np.asarray(picks), np.asarray(one_block))
+    np.testing.assert_array_equal(np.asarray(picks), reference_picks(np.asarray(scores), np.asarray(args[3]), 512))
 
 
 @needs_native
