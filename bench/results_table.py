@@ -52,6 +52,19 @@ def stack(records: list[dict]) -> Iterator[Row]:
                    "the default check reads a device verdict (a sync)")
 
 
+def long_prefill(records: list[dict]) -> Iterator[Row]:
+    """bench/stack.py stack_prefill with --prefill-chunk: ms a layer, x the FLOP floor, the chunks, peak memory."""
+    for r in records:
+        if r.get("scenario") == "stack_prefill" and not r.get("error"):
+            chunks = (f"{r['chunks']} calls of {r['chunk']:,} tokens" if r.get("chunks", 1) > 1
+                      else "one call")
+            peak = r.get("peak_bytes_in_use")
+            yield (f"prefill, {r['stack']} x{r['n_layers']}, B = {r['batch']}, {_ctx(r['prompt_len'])}",
+                   f"{r['per_layer_ms']:.1f} ms a layer ({r['ratio_to_floor']:.2f}x the FLOP floor)",
+                   f"{chunks}; compile {r['compile_s']:.0f} s"
+                   + (f"; process peak {peak / 2**30:.1f} GiB" if peak else ""))
+
+
 def break_modes(records: list[dict]) -> Iterator[Row]:
     """bench/run.py without peers: the compiled step of each mode, and its ratio to `none`'s."""
     none = {(r["scenario"], r["batch"]): r for r in records if r["mode"] == "none" and not r.get("error")}
@@ -139,6 +152,16 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "h200_stack_grid_mixed_fresh_2026-12-02.json",
      "python3 bench/stack.py --size flash --stacks mixed --scenarios stack_decode",
      H200, "d88f675", stack),
+    ("Long context: decode from 128k to 1M tokens (stacks of 4 on the same buffers)",
+     "h200_long_decode_2026-12-02_s36.json",
+     "python3 bench/stack.py --size flash --scenarios stack_decode --stacks csa,hca --batches 1,8,32 "
+     "--contexts 131072,262144,524288,1048576 --same-buffers all",
+     H200 + "; three processes (merged record)", "8cfedf1", stack),
+    ("Long context: prefill from 4k to 1M tokens (stacks of 2; 1M by chunks)",
+     "h200_long_prefill_2026-12-02_s36.json",
+     "python3 bench/stack.py --size flash --scenarios stack_prefill --stacks csa|hca --layers-per-stack 2 "
+     "--prefills 4096,16384,65536,262144|1048576 --prefill-chunk auto --repeats 2|1",
+     H200 + "; four processes (merged record)", "8cfedf1", long_prefill),
     ("Break modes: the device break and the XLA selection against `none` (one CSA layer)",
      "h200_flash_device_break_2026-12-01.json",
      "python3 bench/run.py --size flash --layers csa --scenarios decode_pr,decode_long "
