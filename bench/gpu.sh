@@ -14,6 +14,10 @@
 #   maxtext   the MaxText and HF peers beside `none` (bench/run.py --peers hf-torch,maxtext-jax), from
 #             wheel folders carried with the call (PEER_WHEELS, default build/peer_wheels; HF_WHEELS,
 #             default build/hf_wheels; made here with internet: docs/benchmarks.md); LAYERS, BATCHES
+#   overlap   the overlap A/B (dsv4_jax.overlap) in one call: bench/stack.py's decode stacks with each
+#             setting in turn per shape (OVERLAPS, default "on,off"; STACKS, BATCHES, CONTEXTS) and the
+#             module call -> $OUT/overlap_stack.json; then the PR-like decode (bench/run.py decode_pr,
+#             MODES, PR_BATCHES) in one process per setting, ORDER (default "on off on")
 #   ab        bench/stack.py's decode stacks of the tree against the tree with files swapped in, one
 #             process per variant on one machine: ORDER (default "new old new"), AB_DIR (the files of
 #             "old" at their paths, default build/ab_old; any other tag T: build/ab_T), STACKS,
@@ -89,6 +93,23 @@ maxtext() {
     --no-progress --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   echo "maxtext rc=$?"
   grep -v "NO-OP\|RequestsDependency\|warnings.warn\|WARNING:absl\|^ *$" "$OUT/$name.log" | tail -40
+}
+
+overlap() {
+  timeout "${STACK_TIMEOUT:-420}" python3 bench/stack.py --size flash --scenarios stack_decode --same-buffers all \
+    --stacks "${STACKS:-csa,hca}" --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-2048,16384,65536}" \
+    --overlap "${OVERLAPS:-on,off}" --call-overhead --call-overhead-size flash --json "$OUT/overlap_stack.json" \
+    >"$OUT/overlap_stack.log" 2>&1
+  echo "overlap stacks rc=$?"; grep "^stack_decode\|^call_overhead\|Error" "$OUT/overlap_stack.log" | tail -40
+  local i=0 setting
+  for setting in ${ORDER:-on off on}; do
+    i=$((i + 1))
+    timeout "${RUN_TIMEOUT:-150}" python3 bench/run.py --size flash --scenarios decode_pr --layers csa,hca \
+      --modes "${MODES:-none,narrow-device}" --batches "${PR_BATCHES:-1,32}" --no-peer --no-cmdbuf --no-ceilings \
+      --no-progress --no-plot --overlap "$setting" --json "$OUT/overlap_pr_${i}_$setting.json" \
+      >"$OUT/overlap_pr_${i}_$setting.log" 2>&1
+    echo "PR-like $i $setting rc=$?"; grep "decode_pr\|Error" "$OUT/overlap_pr_${i}_$setting.log" | head -12
+  done
 }
 
 ab() {

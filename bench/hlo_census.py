@@ -93,7 +93,7 @@ def compiled_stacks(size: str, stacks: list[str], batches: list[int], n_layers: 
             caches = stack.synthetic_caches(batch, stack_bench._round_up(context + 64), context, 0)
             x = stack_bench._hidden(cfg, batch, 1, stack.dtype, 0)
             positions = stack_bench._positions(batch, context, 1)
-            compiled = stack_bench.STACK_STEP.lower(stack.weights, caches, x, positions, specs=stack.specs).compile()
+            compiled = stack.jits[None].lower(stack.weights, caches, x, positions, specs=stack.specs).compile()
             name = f"stack_step {kind} x{n_layers} B={batch} ({size})"
             rows.append({"module": name, **census_of(compiled.as_text())})
     return rows

@@ -143,7 +143,7 @@ def clone(cache):
 def host_breaks(attn, x, pos, cache) -> int:
     """Host callbacks (breaks) in the lowered step for these inputs: count of Python callbacks."""
     spec = attn.step_spec()
-    step = step_mod.step_function(attn.donate_cache)
+    step = step_mod.step_for(spec, attn.donate_cache)
     text = step.lower(attn.step_weights(), cache, x, pos, spec=spec).as_text()
     return text.count("xla_ffi_python_")
 
@@ -247,7 +247,7 @@ class JaxRun:
             _, cache = attn(*dev_inputs["prompt"], cache)
         steps = dev_inputs["steps"][:n_steps]
         spec = attn.step_spec()
-        step = step_mod.step_function(attn.donate_cache)
+        step = step_mod.step_for(spec, attn.donate_cache)
         weights = attn.step_weights()  # what the module call hands the step
         cache = cache.replace(length=jnp.asarray(cache.length))
         jax.block_until_ready(cache)

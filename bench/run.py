@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax.breaks  # noqa: E402
+import dsv4_jax.overlap  # noqa: E402
 import dsv4_jax.validation  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
@@ -201,6 +202,7 @@ def base_record(args, env, cfg, case, mode, dtype_name) -> dict:
         "scenario": case.scenario, "size": args.size, "layer_type": SHORT[layer_type],
         "break_mode": plan.mode if plan else None, "break_on": plan.place if plan else None,
         "native_select": plan.native_select if plan else None,
+        "overlap": args.overlap if mode != PEER else None,
         "layer_idx": plan_mod.layer_index(cfg, case.layer), "mode": mode, "batch": case.batch,
         "prompt_len": case.prompt_len, "context_len": case.prompt_len if case.scenario == "decode_long" else None,
         "steps": case.steps_for(mode) if mode != PEER else case.steps,
@@ -286,6 +288,7 @@ def run(args, partial=None) -> tuple[list, dict]:
     # inputs); recorded, and switchable, because it is part of the module call being timed.
     dsv4_jax.validation.CHECK_FINITE = {"true": True, "host": "host", "false": False}[args.check_finite]
     meta = {"size": args.size, "quick": args.quick, "dtype": dtype.name, "argv": sys.argv[1:],
+            "overlap": args.overlap,
             "check_finite": dsv4_jax.validation.CHECK_FINITE,
             "config": {k: v for k, v in cfg.__dict__.items() if k != "layer_types"},
             "peer_unavailable": None if use_peer else (peer_reason or "--no-peer"),
@@ -325,6 +328,7 @@ def run(args, partial=None) -> tuple[list, dict]:
     def layer_objects(layer):
         if layer not in runs:
             runs[layer] = measure.JaxRun(cfg, layer, dtype, seed=args.seed, prefix_chunk=plan_mod.JAX_PREFIX_CHUNK)
+            runs[layer].attn.overlap = args.overlap  # kept by every mode (`plan.apply_mode` leaves it)
             if use_mt:
                 mts[layer] = peer_mod.maxtext().MaxTextPeer(cfg, args.size, layer, runs[layer].attn, dtype.name,
                                                             platform, args.maxtext_mem_gb)
@@ -476,6 +480,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-finite", choices=("true", "host", "false"), default="true",
                     help="the layer's non-finite input check (default: true, the layer's default)")
+    ap.add_argument("--overlap", default="auto",
+                    help="the layers' overlap, one of dsv4_jax.overlap.OVERLAP_CHOICES (recorded as `overlap`; "
+                         "the A/B: a run each); the stack scenarios take a list (bench/stack.py)")
     ap.add_argument("--no-peer", action="store_true", help="skip every peer")
     ap.add_argument("--peers", default="hf-torch,maxtext-jax",
                     help="comma list of peers: hf-torch (transformers, PyTorch), maxtext-jax (MaxText 0.2.5)")
@@ -500,6 +507,10 @@ def main(argv=None) -> int:
 
         return stack.main(sys.argv[1:] if argv is None else list(argv))
     args = ap.parse_args(argv)
+    try:
+        dsv4_jax.overlap.check_overlap(args.overlap)
+    except ValueError as err:
+        ap.error(str(err))
 
     if args.render:
         return report.render(args.render)

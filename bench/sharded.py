@@ -190,8 +190,8 @@ class Placement:
         self.weights = attn.step_weights()  # what the module call hands the step
         self.spec = attn.step_spec()
         self.spec_intermediates = attn.step_spec(return_intermediates=True)
-        self.step = step_function(donate=True, sharded=mesh is not None)
-        self.step_keep = step_function(donate=False, sharded=mesh is not None)
+        self.step = step_function(donate=True, sharded=mesh is not None, overlap=self.spec.plan.overlap)
+        self.step_keep = step_function(donate=False, sharded=mesh is not None, overlap=self.spec.plan.overlap)
 
     def place(self, cache):
         if self.mesh is None:

@@ -52,6 +52,7 @@ import argparse
 import dataclasses
 import datetime as _dt
 import functools
+import hashlib
 import math
 import os
 import sys
@@ -76,6 +77,7 @@ import numpy as np  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
+from dsv4_jax import overlap as overlap_mod  # noqa: E402
 from dsv4_jax import step as step_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 from dsv4_jax.demo import stack_step  # noqa: E402
@@ -104,9 +106,9 @@ def stack_layer_indices(cfg, kind: str, n: int) -> list[int]:
 
 
 # The stack's step is the demo's (`dsv4_jax.demo.stack_step`: ``h = h + attention(layer_i, h)``
-# over the layers, one program); here its jitted variants.
-STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("caches",))
-
+# over the layers, one program); here its jitted variants, per overlap (`dsv4_jax.overlap`: the
+# compile options of concurrent command buffers or not; a stack runs those of its layers' plans):
+# None: positions an argument, the caches donated.
 # `--same-buffers`: `stack_step` of one new token a row at each row's next position, each
 # layer's from its cache length (``positions=None``, `dsv4_jax.cache.next_positions`): no
 # positions argument, so no new argument buffer a step. XLA re-records a CUDA graph's commands
@@ -116,17 +118,26 @@ STACK_STEP = jax.jit(stack_step, static_argnames=("specs",), donate_argnames=("c
 # each step the last one's output gets it back in the same buffer: every argument and output
 # the same buffer every step.
 stack_step_own_positions = functools.partial(stack_step, positions=None)
-STACK_STEP_OWN_POSITIONS = {
-    "positions": jax.jit(stack_step_own_positions, static_argnames=("specs",), donate_argnames=("caches",)),
-    "all": jax.jit(stack_step_own_positions, static_argnames=("specs",), donate_argnames=("caches", "hidden_states")),
-}
+
+
+def _stack_steps(overlap: bool) -> dict:
+    jit = functools.partial(jax.jit, static_argnames=("specs",),
+                            compiler_options=overlap_mod.compiler_options(overlap))
+    return {None: jit(stack_step, donate_argnames=("caches",)),
+            "positions": jit(stack_step_own_positions, donate_argnames=("caches",)),
+            "all": jit(stack_step_own_positions, donate_argnames=("caches", "hidden_states"))}
+
+
+STACK_STEPS = {overlap: _stack_steps(overlap) for overlap in (False, True)}
 
 
 class Stack:
     """The layers of one stack (random weights, as `bench/run.py`'s), their specs and weights."""
 
-    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str, fused: bool = True, kernel_args=None):
-        """`kernel_args`: the command line, whose A/B switches change the mode's kernel plan (`kernel_plan`)."""
+    def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str, fused: bool = True, kernel_args=None,
+                 overlap: str = "auto"):
+        """`kernel_args`: the command line, whose A/B switches change the mode's kernel plan
+        (`kernel_plan`); `overlap`: the layers' setting (`set_overlap`)."""
         self.cfg, self.kind, self.dtype = cfg, kind, jnp.dtype(dtype)
         self.indices = stack_layer_indices(cfg, kind, n)
         self.layers = []
@@ -136,12 +147,22 @@ class Stack:
             if kernel_args is not None:
                 attn.kernels = kernel_plan(kernel_args, attn.kernels)
             self.layers.append(attn)
-        self.specs = tuple(a.step_spec() for a in self.layers)
+        self.set_overlap(overlap)
         # What the module call hands the step (input projections fused), or the parameters alone.
         self.weights = [a.step_weights() if fused else a.weights() for a in self.layers]
         self.weight_bytes = [measure.weight_bytes(a) for a in self.layers]
         types = [a.layer_type for a in self.layers]
         self.layer_type = "+".join(plan_mod.SHORT[t] for t in dict.fromkeys(types))
+
+    def set_overlap(self, overlap: str) -> None:
+        """The layers' `overlap` setting ("auto", "on", "off"): their specs, and the stack's jitted
+        steps (`jits`, their compile options those of the layers' resolved plans)."""
+        for attn in self.layers:
+            attn.overlap = overlap
+        self.overlap = overlap
+        self.specs = tuple(a.step_spec() for a in self.layers)
+        self.overlap_active = any(spec.plan.overlap for spec in self.specs)
+        self.jits = STACK_STEPS[self.overlap_active]
 
     def empty_caches(self, batch: int, max_seq_len: int):
         # allow_long_context: a decode from a context of max_position_embeddings tokens needs a
@@ -189,7 +210,7 @@ def _positions(batch: int, start: int, n: int):
 def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int, seed: int,
                 same_buffers: str | None = None) -> dict:
     """Decode timings of the stack at (batch, context); see the module docstring. With
-    `same_buffers` ("positions" or "all") the timed steps are `STACK_STEP_OWN_POSITIONS`'s,
+    `same_buffers` ("positions" or "all") the timed steps are `stack.jits`'s,
     ("all") each fed the last one's output."""
     warm = 2
     # warm-up, (same buffers: one more compile,) pipelined repeats, one blocking repeat
@@ -202,7 +223,7 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
     clock.start()
     t0 = time.perf_counter()
     for _ in range(warm):
-        h, caches = STACK_STEP(stack.weights, caches, x, _positions(batch, pos, 1), specs=stack.specs)
+        h, caches = stack.jits[None](stack.weights, caches, x, _positions(batch, pos, 1), specs=stack.specs)
         pos += 1
     jax.block_until_ready((h, caches))
     first_s = time.perf_counter() - t0
@@ -213,10 +234,10 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
 
     def step(caches, at):
         if not same_buffers:
-            return STACK_STEP(stack.weights, caches, x, positions[at - context], specs=stack.specs)
+            return stack.jits[None](stack.weights, caches, x, positions[at - context], specs=stack.specs)
         if same_buffers == "positions":
-            return STACK_STEP_OWN_POSITIONS["positions"](stack.weights, caches, x, specs=stack.specs)
-        h, caches = STACK_STEP_OWN_POSITIONS["all"](stack.weights, caches, fed.pop(), specs=stack.specs)
+            return stack.jits["positions"](stack.weights, caches, x, specs=stack.specs)
+        h, caches = stack.jits["all"](stack.weights, caches, fed.pop(), specs=stack.specs)
         fed.append(h)
         return h, caches
 
@@ -241,6 +262,9 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
         blocking.append(time.perf_counter() - t0)
         pos += 1
     finite = bool(jnp.all(jnp.isfinite(h)))
+    memory = compiled_memory(stack, "all" if same_buffers == "all" else same_buffers, stack.weights, caches,
+                             fed[-1] if same_buffers == "all" else x,
+                             None if same_buffers else positions[0])
     n = len(stack.layers)
     step_ms = 1e3 * float(np.median(per_step))
     return {"step_ms": step_ms, "per_layer_ms": step_ms / n,
@@ -250,8 +274,30 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
             # near step_ms, the host and not the device sets the pace of the pipelined steps.
             "host_dispatch_ms": 1e3 * float(np.median(dispatched)),
             "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len,
-            "steps": steps, "repeats": repeats, "output_finite": finite,
+            "steps": steps, "repeats": repeats, "output_finite": finite, "output_digest": digest(h), **memory,
             **stack.floor(batch, context + warm + repeats * steps // 2, 1)}
+
+
+def digest(x) -> str:
+    """A short hash of an array's bytes: runs that should agree bit for bit (the overlap A/B:
+    same inputs, same number of steps) record equal digests."""
+    return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
+
+
+def compiled_memory(stack: Stack, jit_key, weights, caches, x, positions) -> dict:
+    """XLA's buffer sizes of the stack's compiled step for these arguments (`memory_analysis`
+    of the executable the timed calls ran, from jax's compile cache: no second compile where
+    the cache has it): ``temp_bytes`` (the step's scratch), ``argument_bytes``, ``output_bytes``;
+    empty where the backend reports none."""
+    args = (weights, caches, x) if jit_key in ("positions", "all") else (weights, caches, x, positions)
+    try:
+        analysis = stack.jits[jit_key].lower(*args, specs=stack.specs).compile().memory_analysis()
+    except Exception:  # a backend without the analysis
+        return {}
+    if analysis is None:
+        return {}
+    return {"temp_bytes": int(analysis.temp_size_in_bytes), "argument_bytes": int(analysis.argument_size_in_bytes),
+            "output_bytes": int(analysis.output_size_in_bytes)}
 
 
 def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int, chunk=None,
@@ -271,7 +317,7 @@ def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int,
     clock = measure.compile_clock()
     clock.start()
     t0 = time.perf_counter()
-    h, _ = STACK_STEP(stack.weights, stack.empty_caches(batch, max_seq_len), x, pos, specs=stack.specs)
+    h, _ = stack.jits[None](stack.weights, stack.empty_caches(batch, max_seq_len), x, pos, specs=stack.specs)
     jax.block_until_ready(h)
     first_s = time.perf_counter() - t0
     compile_s = clock.stop()
@@ -279,7 +325,7 @@ def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int,
     for _ in range(repeats):
         caches = jax.block_until_ready(stack.empty_caches(batch, max_seq_len))
         t0 = time.perf_counter()
-        h, caches = STACK_STEP(stack.weights, caches, x, pos, specs=stack.specs)
+        h, caches = stack.jits[None](stack.weights, caches, x, pos, specs=stack.specs)
         jax.block_until_ready((h, caches))
         times.append(time.perf_counter() - t0)
         del caches
@@ -287,7 +333,8 @@ def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int,
     step_ms = 1e3 * float(np.median(times))
     return {"step_ms": step_ms, "per_layer_ms": step_ms / n, "per_layer_ms_repeats": [1e3 * t / n for t in times],
             "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len, "repeats": repeats,
-            "output_finite": bool(jnp.all(jnp.isfinite(h))), **stack.floor(batch, 0, length),
+            "output_finite": bool(jnp.all(jnp.isfinite(h))), "output_digest": digest(h),
+            **stack.floor(batch, 0, length),
             "chunk": None, **prefill_memory_record()}
 
 
@@ -350,7 +397,7 @@ def time_chunked_prefill(stack: Stack, batch: int, length: int, repeats: int, se
 
     def run(caches):
         for (_, n), pos in zip(bounds, positions):
-            h, caches = STACK_STEP(stack.weights, caches, xs[n], pos, specs=stack.specs)
+            h, caches = stack.jits[None](stack.weights, caches, xs[n], pos, specs=stack.specs)
         return jax.block_until_ready((h, caches))
 
     clock = measure.compile_clock()
@@ -394,13 +441,13 @@ def profile_decode(stack: Stack, batch: int, context: int, steps: int, seed: int
     x = _hidden(stack.cfg, batch, 1, stack.dtype, seed)
 
     def run_once():
-        h, state["caches"] = STACK_STEP(stack.weights, state["caches"], x, _positions(batch, state["pos"], 1),
+        h, state["caches"] = stack.jits[None](stack.weights, state["caches"], x, _positions(batch, state["pos"], 1),
                                         specs=stack.specs)
         state["pos"] += 1
         jax.block_until_ready(h)
 
     summary = kernel_profile.profile(run_once, steps, log_dir, module_filter="stack_step")
-    compiled = STACK_STEP.lower(stack.weights, state["caches"], x, _positions(batch, state["pos"], 1),
+    compiled = stack.jits[None].lower(stack.weights, state["caches"], x, _positions(batch, state["pos"], 1),
                                 specs=stack.specs).compile()
     kernel_profile.attach_sources(summary, compiled.as_text())
     summary.update({"stack": stack.kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
@@ -417,11 +464,11 @@ def profile_prefill(stack: Stack, length: int, steps: int, seed: int, log_dir: s
     pos = _positions(1, 0, length)
 
     def run_once():
-        h, _ = STACK_STEP(stack.weights, stack.empty_caches(1, max_seq_len), x, pos, specs=stack.specs)
+        h, _ = stack.jits[None](stack.weights, stack.empty_caches(1, max_seq_len), x, pos, specs=stack.specs)
         jax.block_until_ready(h)
 
     summary = kernel_profile.profile(run_once, steps, log_dir, module_filter="stack_step")
-    compiled = STACK_STEP.lower(stack.weights, stack.empty_caches(1, max_seq_len), x, pos,
+    compiled = stack.jits[None].lower(stack.weights, stack.empty_caches(1, max_seq_len), x, pos,
                                 specs=stack.specs).compile()
     kernel_profile.attach_sources(summary, compiled.as_text())
     summary.update({"stack": stack.kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
@@ -471,7 +518,7 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
                                attn.init_cache(batch, max_seq_len))
     attn = layers[True]
     spec = attn.step_spec()
-    step = step_mod.step_function(attn.donate_cache)
+    step = step_mod.step_for(spec, attn.donate_cache)
     raw_cache = measure.clone(caches[True]).replace(length=jnp.asarray(caches[True].length), layer_idx=-1)
     weights = attn.step_weights()
     raw_t, outs = [], {}
@@ -547,6 +594,7 @@ def run(args, write=None) -> tuple[list, dict]:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefills.split(",")] if args.prefills else []
+    overlaps = [overlap_mod.check_overlap(v) for v in args.overlap.split(",")]
     for mode in ([] if args.call_overhead_only else args.modes.split(",")):
         for kind in args.stacks.split(","):
             stack = Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, mode,
@@ -560,11 +608,12 @@ def run(args, write=None) -> tuple[list, dict]:
                 jobs += [("stack_decode", b, c) for c in contexts for b in batches]
             if "stack_prefill" in scenarios:
                 jobs += [("stack_prefill", 1, p) for p in prefills]
-            for scenario, batch, length in jobs:
+            for scenario, batch, length, overlap in [(*job, ov) for job in jobs for ov in overlaps]:
+                stack.set_overlap(overlap)
                 rec = {"scenario": scenario, "batch": batch,
                        "context_len": length if scenario == "stack_decode" else None,
                        "prompt_len": length if scenario == "stack_prefill" else None, **base,
-                       "error": None}
+                       "overlap": overlap, "overlap_active": stack.overlap_active, "error": None}
                 try:
                     if scenario == "stack_decode":
                         rec.update(time_decode(stack, batch, length, args.steps, args.repeats, args.seed,
@@ -629,15 +678,16 @@ def markdown(records: list, meta: dict) -> str:
             continue
         length = "ctx" if scenario == "stack_decode" else "prompt"
         out += [f"### {scenario}", "",
-                f"| mode | stack | layer types | B | {length} | ms / layer | floor ms / layer | x floor | "
-                "blocking step ms | host ms / step | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"| mode | overlap | stack | layer types | B | {length} | ms / layer | floor ms / layer | x floor | "
+                "blocking step ms | host ms / step | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            overlap = r.get("overlap", "")  # records before the overlap switch have none
             if r.get("error"):
-                out.append(f"| {r['mode']} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
+                out.append(f"| {r['mode']} | {overlap} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
                            f"{r['context_len'] or r['prompt_len']} | error: {r['error'][:80]} | | | | | |")
                 continue
             ratio, blocking, host = (r.get(k) for k in ("ratio_to_floor", "step_ms_blocking", "host_dispatch_ms"))
-            out.append(f"| {r['mode']} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
+            out.append(f"| {r['mode']} | {overlap} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
                        f"{r['context_len'] or r['prompt_len']} | {r['per_layer_ms']:.3f} | {r['floor_ms']:.3f} | "
                        f"{'' if ratio is None else f'{ratio:.1f}'} | "
                        f"{'' if blocking is None else f'{blocking:.3f}'} | "
@@ -718,6 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--select-segments", default=None, type=int, metavar="P",
                     help="blocks a query row of the native CUDA top-k (KernelPlan select_segments; 1: one "
                          "block a row; default: native.topk_segments)")
+    ap.add_argument("--overlap", default="auto", metavar="SETTING[,SETTING...]",
+                    help="the layers' overlap (dsv4_jax.overlap: auto, on, off); a list runs each job once per "
+                         "setting, in order, back to back (the A/B: e.g. on,off,on); records carry `overlap`")
     ap.add_argument("--render", default=None, metavar="JSON")
     ap.add_argument("--prefill-chunk", default=None, type=prefill_chunk_arg, metavar="N|auto",
                     help="stack_prefill as consecutive calls of N tokens (auto: the largest chunk whose estimated "

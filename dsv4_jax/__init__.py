@@ -11,6 +11,7 @@ from .config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from .indexer_loss import indexer_kl_loss
 from .kernel_plan import KERNELS, KernelPlan
 from .native import native_info
+from .overlap import OVERLAP_CHOICES, compiler_options
 from .step import AttentionWeights, Intermediates, attention_step
 from .weights import load_hf_attention_weights
 
@@ -20,6 +21,7 @@ __all__ = [
     "CSA",
     "HCA",
     "KERNELS",
+    "OVERLAP_CHOICES",
     "SLIDING",
     "AttentionCache",
     "AttentionWeights",
@@ -31,6 +33,7 @@ __all__ = [
     "KernelPlan",
     "YarnScaling",
     "attention_step",
+    "compiler_options",
     "indexer_kl_loss",
     "load_attention_checkpoint",
     "load_hf_attention_weights",

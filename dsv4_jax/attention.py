@@ -21,6 +21,7 @@ from flax import nnx
 
 from . import breaks, call_path, sharding, validation
 from . import numerics as numerics_mod
+from . import overlap as overlap_mod
 from .backend import QUERY_BLOCK, Array
 from .cache import AttentionCache, init_attention_cache
 from .compressor import CompressorWeights
@@ -246,6 +247,13 @@ class DeepseekV4Attention(nnx.Module):
                     grid, the indexer's queries and keys Hadamard-rotated onto an FP4 grid;
                     docs/numerics.md). The same in every break mode and on every device. An
                     attribute.
+      overlap:      "auto" (default), "on" or "off": the step's independent stages (the query
+                    path with wq_b_kv_insert, the compressors, the indexer's queries and keys)
+                    may run side by side on the GPU (XLA's concurrent command buffers, the
+                    parallel half of vLLM PR #45309; `dsv4_jax.overlap`). Identical results;
+                    "auto" is on where it measured faster (CUDA). No effect off CUDA, nor on a
+                    step traced inside your own `jax.jit` (give that jit
+                    ``compiler_options=dsv4_jax.compiler_options()``). An attribute.
 
     Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
     ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
@@ -259,7 +267,7 @@ class DeepseekV4Attention(nnx.Module):
                  param_dtype=jnp.float32, precision=None, query_block: int = QUERY_BLOCK,
                  donate_cache: bool = False,
                  check_finite=None, checkify: bool = False, mesh=None, sharding_rules=None,
-                 numerics: str = "reference"):
+                 numerics: str = "reference", overlap: str = "auto"):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
         self.config = config
@@ -269,6 +277,7 @@ class DeepseekV4Attention(nnx.Module):
         self.break_on = breaks.check_break_on(break_on)
         self.kernels = breaks.check_kernels(kernels)
         self.numerics = numerics_mod.check_numerics(numerics)
+        self.overlap = overlap_mod.check_overlap(overlap)
         self.dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         self.param_dtype = validation.check_float_dtype("param_dtype", param_dtype)
         self.precision = precision
@@ -384,7 +393,7 @@ class DeepseekV4Attention(nnx.Module):
         mesh = self.mesh if self.mesh is not None else sharding.context_mesh()
         key = (mesh, self.sharding_rules, self.break_mode, self.break_on, self.kernels, self.dtype,
                self.param_dtype, self.precision, self.query_block, bool(return_intermediates), bool(checks),
-               self.numerics)
+               self.numerics, self.overlap)
         specs = _SPECS.setdefault(self, {})
         spec = specs.get(key)
         if spec is None:
@@ -393,7 +402,8 @@ class DeepseekV4Attention(nnx.Module):
 
     def _new_step_spec(self, mesh, return_intermediates: bool, checks: bool) -> StepSpec:
         layout = None if mesh is None else sharding.layout(self.config, mesh, self.sharding_rules)
-        plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout)
+        plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout,
+                                 overlap=overlap_mod.check_overlap(self.overlap))
         dtype = self.compute_dtype
         precision = self.precision
         if precision is None and jnp.dtype(dtype) == jnp.float32:

@@ -66,6 +66,7 @@ import jax
 import numpy as np
 
 from . import indexer, native, sharding
+from . import overlap as overlap_mod
 from .backend import QUERY_BLOCK, map_query_blocks
 from .config import CSA
 from .kernel_plan import REFERENCE, KernelPlan, as_kernel_plan, check_choice
@@ -100,6 +101,8 @@ class BreakPlan:
                    (and the native selection) then run per batch shard (`sharding.run_per_shard`)
     kernels:       the `kernel_plan.KernelPlan` resolved for the step's platform: which stages
                    run a Pallas kernel (and how), which their XLA reference
+    overlap:       the step's command buffers let independent stages run side by side
+                   (`dsv4_jax.overlap`; resolved for the platform: never off CUDA)
     """
 
     mode: str
@@ -107,6 +110,7 @@ class BreakPlan:
     native_select: bool = False
     layout: Any = None
     kernels: KernelPlan = REFERENCE
+    overlap: bool = False
 
     def indexer_select(self) -> Callable[..., Any]:
         """The `select_topk` that `step.run_stages` calls for this plan."""
@@ -126,15 +130,16 @@ class BreakPlan:
 
 
 def plan_break(layer_type: str, break_mode: str, break_on: str = "auto", kernels: str | KernelPlan = "auto",
-               platform: str | None = None, layout: Any = None) -> BreakPlan:
-    """Resolve a layer's `break_mode`, `break_on` and `kernels` (a name or a `KernelPlan`) for
-    `platform` (default: jax's default backend) into its `BreakPlan`; the one place these
-    choices are made. `layout`: the step's `sharding.MeshLayout` (its breaks then run per batch
-    shard), or None."""
+               platform: str | None = None, layout: Any = None, overlap: str = "auto") -> BreakPlan:
+    """Resolve a layer's `break_mode`, `break_on`, `kernels` (a name or a `KernelPlan`) and
+    `overlap` for `platform` (default: jax's default backend) into its `BreakPlan`; the one place
+    these choices are made. `layout`: the step's `sharding.MeshLayout` (its breaks then run per
+    batch shard), or None."""
     if platform is None and layout is not None and isinstance(layout.mesh, jax.sharding.Mesh):
         platform = layout.mesh.devices.flat[0].platform  # the mesh's devices, not jax's default
     plan = _plan_break(layer_type, break_mode, break_on, kernels, platform)
-    return plan if layout is None else dataclasses.replace(plan, layout=layout)
+    on = overlap_mod.resolve(overlap, native.platform_name(platform or jax.default_backend()))
+    return dataclasses.replace(plan, layout=layout, overlap=on)
 
 
 def _plan_break(layer_type: str, break_mode: str, break_on: str, kernels: str | KernelPlan,

@@ -23,7 +23,7 @@ import numpy as np
 from . import breaks, sharding, validation
 from .backend import to_host_memory
 from .cache import AttentionCache, advance_length
-from .step import step_function
+from .step import step_for, step_function
 
 
 # ---------------------------------------------------------------------------- the finite guard
@@ -45,7 +45,8 @@ def finite_guard(hidden_states):
 
 
 _FINITE_GUARD = jax.jit(finite_guard)
-_PLAIN_STEP = step_function(False)  # the step that a deferred finite check runs (not sharded, not donating)
+# The steps that a deferred finite check runs (not sharded, not donating; with and without the overlap).
+_PLAIN_STEPS = frozenset(step_function(False, overlap=overlap) for overlap in (False, True))
 
 
 # ---------------------------------------------------------------------------- the device lengths
@@ -100,7 +101,7 @@ _MAX_CALL_KEYS = 64  # input structures remembered per layer (then the memo star
 
 _LAYER_FIELDS = operator.attrgetter("config", "layer_idx", "layer_type", "break_mode", "break_on", "kernels",
                                      "dtype", "param_dtype", "precision", "query_block", "donate_cache",
-                                     "checkify", "mesh", "sharding_rules", "numerics")
+                                     "checkify", "mesh", "sharding_rules", "numerics", "overlap")
 
 
 def _layer_state(layer) -> tuple:
@@ -180,7 +181,7 @@ def call(layer, hidden_states, positions, cache: AttentionCache, return_intermed
             hit = memo.entries.get((inputs, structure))
             if hit is not None:  # the static checks passed for this structure: the value checks only
                 finite = validation.finite_mode(layer)
-                deferred = hit[1] is _PLAIN_STEP and validation.finite_deferred(hidden_states, finite)
+                deferred = hit[1] in _PLAIN_STEPS and validation.finite_deferred(hidden_states, finite)
                 before, after = validation.check_values(hidden_states, positions, cache.length,
                                                         cache.max_seq_len, False if deferred else finite)
                 if last is not None and last[2] == before and not getattr(last[3], "is_deleted", _not_deleted)():
@@ -207,9 +208,11 @@ def call(layer, hidden_states, positions, cache: AttentionCache, return_intermed
         spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, layout=layout))
     if spec.plan.layout is not None:
         sharding.check_batch(spec.plan.layout, hidden_states.shape[0])
-    step = step_function(layer.donate_cache, sharded=spec.plan.layout is not None)
+    step = step_for(spec, layer.donate_cache)
     if host_length is None:
-        # Traced: the layer index is checked above and is no part of the computation.
+        # Traced: the layer index is checked above and is no part of the computation. The
+        # enclosing jit's compile options hold (JAX refuses a nested jit with its own).
+        step = step_function(layer.donate_cache, sharded=spec.plan.layout is not None)
         with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
             anonymous = cache.replace(layer_idx=-1, length=_device_length(cache.length))
             out, new_cache, intermediates = step(layer.step_weights(), anonymous, hidden_states, positions,
@@ -220,7 +223,7 @@ def call(layer, hidden_states, positions, cache: AttentionCache, return_intermed
         if memo is None or memo.state != state or len(memo.entries) >= _MAX_CALL_KEYS:
             memo = _CALLS[layer] = _CallMemo(state)
         memo.entries[(inputs, structure)] = (spec, step)
-    if deferred and step is not _PLAIN_STEP:  # a sharded step: the check before dispatch after all
+    if deferred and step not in _PLAIN_STEPS:  # a sharded step: the check before dispatch after all
         validation.check_finite("hidden_states", hidden_states, finite)
         deferred = False
     before = host_length.tolist()

@@ -12,7 +12,6 @@ caches and hidden states, against the same steps through the module calls.
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import jax
@@ -21,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from . import native
+from . import overlap as overlap_mod
 from .attention import DeepseekV4Attention
 from .breaks import BREAK_MODES, plan_break
 from .config import CSA, DeepseekV4Config
@@ -99,16 +99,28 @@ def stack_step(weights, caches, hidden_states, positions, specs):
     return h, new_caches
 
 
-@functools.partial(jax.jit, static_argnames=("specs",), donate_argnames=("caches", "hidden_states"))
+def _stack_decode(weights, caches, hidden_states, specs):
+    return stack_step(weights, caches, hidden_states, None, specs)
+
+
+# Per overlap (`dsv4_jax.overlap`): the program's compile options follow its layers' plans.
+_STACK_DECODE = {overlap: jax.jit(_stack_decode, static_argnames=("specs",),
+                                  donate_argnames=("caches", "hidden_states"),
+                                  compiler_options=overlap_mod.compiler_options(overlap))
+                 for overlap in (False, True)}
+
+
 def stack_decode_step(weights, caches, hidden_states, specs):
     """One decode step of a stack of layers (`stack_step`) as one program.
 
     No positions argument (``positions=None``: each row's next position from each layer's cache
     length) and the caches and hidden states donated: fed its own output, the step gets the same
     buffers every call, so on a GPU XLA replays its CUDA graph without re-recording any command
-    (docs/journal/RESULTS_2026-11-30_to_2026-12-02.md, "Same buffers every step").
+    (docs/journal/RESULTS_2026-11-30_to_2026-12-02.md, "Same buffers every step"). Compiled with
+    the overlap where the layers' steps have it (their ``overlap`` setting, `dsv4_jax.overlap`).
     hidden_states [B, 1, hidden] -> (the same shape, the new caches)."""
-    return stack_step(weights, caches, hidden_states, None, specs)
+    overlap = any(spec.plan.overlap for spec in specs)
+    return _STACK_DECODE[overlap](weights, caches, hidden_states, specs=specs)
 
 
 def run_stack(cfg: DeepseekV4Config, x: np.ndarray, prompt: int, steps: int) -> None:

@@ -44,7 +44,10 @@ from .sparse_attention_kernel import _pad_indices, entry_indices
 BLOCK_KEYS = 32
 BLOCK_HEADS = 32
 NUM_WARPS = 8
-NUM_STAGES = 1
+# Software pipelining of the key loop, by the compute dtype's bytes: bf16 3 stages (H200, CSA /
+# HCA 4k prefill: 8.10 -> 7.41 / 3.27 -> 3.13 ms, bench/results/h200_backward_ab_2026-12-02_s35_3.json);
+# float32 1 (its tiles take twice the shared memory; the float32 gate runs it as measured before).
+NUM_STAGES = {2: 3, 4: 1}
 
 
 def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
@@ -106,7 +109,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
                               do: Array, *, entries: Array | None = None, picks: Array | None = None,
                               visible: Array | None = None, interpret: bool = False,
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
-                              num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, relaxed: bool = True):
+                              num_warps: int = NUM_WARPS, num_stages: int | None = None, relaxed: bool = True):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -115,7 +118,8 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     with_lse=True)`); do [B, S, H, D] the output's cotangent. Returns dq [B, S, H, D] (q's
     dtype), dpool [B, P, D] (pool's dtype), dsinks [H] float32, dentries [B, T, D] or None.
     `relaxed`: the key gradients' atomic adds in relaxed memory order (`relaxed_atomics`; False:
-    Pallas' acquire-release `atomic_add`, twice the time on the H200).
+    Pallas' acquire-release `atomic_add`, twice the time on the H200). `num_stages`: None, by
+    q's dtype (`NUM_STAGES`).
     """
     b, s, h, d = q.shape
     rows = b * s
@@ -157,6 +161,8 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
 
+        if num_stages is None:
+            num_stages = NUM_STAGES.get(jnp.dtype(dtype).itemsize, 1)
         extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     dq, dpool, *dents = pl.pallas_call(
         kernel,

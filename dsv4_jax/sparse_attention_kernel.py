@@ -69,14 +69,16 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #   prefill of 4096 tokens (results/h200_prefill_kernel_blocks3_2026-12-01.json):
 #     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5473   HCA: 1231 (same) against 2532
 #   and with `skip_masked_blocks` (results/h200_prefill_kernel_blocks4_2026-12-01.json):
-#     CSA: 1998 with it against 2359 without (5450 XLA)          HCA: 1266 against 1241: off
+#     CSA: 1998 with it against 2359 without (5450 XLA)          HCA: 1266 against 1241 at 4k, but
+#     at 64k-1M 43.4 / 282 / 823 / 2808 ms a layer against 51.2 / 433 / 1544 / 5600
+#     (64k / 256k / 512k / 1M; results/h200_hca_prefill_*_2026-12-02_s37.json): on for both
 #   for prompts of at least PREFILL_MIN_ROWS queries (B * S; shorter calls were not measured),
 #   in 2-byte compute dtypes: those blocks need 193 KiB of shared memory in bf16 and more than
 #   the H200's 227 KiB in float32 (a float32 prefill keeps the XLA path unless forced).
 # Sliding layers (window only) were not measured: the XLA path.
 CUDA_DEFAULT_BLOCKS = {
     ("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1),
-    ("csa", "prefill", None): (64, 64, 8, 3, True), ("hca", "prefill", None): (64, 64, 8, 3),
+    ("csa", "prefill", None): (64, 64, 8, 3, True), ("hca", "prefill", None): (64, 64, 8, 3, True),
 }
 PREFILL_MIN_ROWS = 256
 

@@ -116,7 +116,7 @@ def test_the_cuda_default_table():
     assert sak.default_blocks("csa", 1, "prefill", 4096) == {"block_keys": 64, "block_heads": 64, "num_warps": 8,
                                                             "num_stages": 3, "skip_masked_blocks": True}
     assert sak.default_blocks("hca", 1, "prefill", 4096) == {"block_keys": 64, "block_heads": 64, "num_warps": 8,
-                                                            "num_stages": 3}
+                                                            "num_stages": 3, "skip_masked_blocks": True}
     assert sak.default_blocks("csa", 2, "prefill", 8) is None  # short prompts: not measured, XLA
     assert sak.default_blocks("csa", 1, "prefill", 4096, jnp.float32) is None  # its shared memory: bf16 only
     assert sak.forced_blocks("prefill", jnp.float32)["block_keys"] == 32

@@ -50,6 +50,24 @@ def test_the_command_lines_kernel_switches_become_the_layers_plan():
     assert st.specs[0].plan.kernels.prefill_blocks == (32, 64, 4, 2, 0)
 
 
+def test_the_overlap_ab_switches_the_layers_and_the_stacks_program():
+    """--overlap on,off: each job once per setting; the stack's layers and its jitted steps follow
+    the setting's resolved plan (off CUDA always off: one program), and the runs of one job
+    record equal output digests (the A/B's bit-for-bit check on the GPU)."""
+    assert stack.build_parser().parse_args(["--overlap", "on,off"]).overlap == "on,off"
+    cfg = stack.stack_config("tiny", 2)
+    st = stack.Stack(cfg, "csa", 1, "float32", 0, "none", overlap="on")
+    gpu = st.layers[0].step_spec().plan.overlap
+    assert st.layers[0].overlap == "on" and st.overlap_active is gpu and st.jits is stack.STACK_STEPS[gpu]
+    runs = {}
+    for setting in ("on", "off"):
+        st.set_overlap(setting)
+        assert all(spec.plan.overlap is (gpu and setting == "on") for spec in st.specs)
+        runs[setting] = stack.time_decode(st, 1, 16, steps=2, repeats=1, seed=0, same_buffers="all")
+    assert runs["on"]["output_digest"] == runs["off"]["output_digest"]
+    assert runs["on"]["temp_bytes"] >= 0
+
+
 # Through bench/run.py: the stack scenarios are handed to bench/stack.py.
 @background("stack bench", lambda workdir: [
     sys.executable, ROOT / "bench" / "run.py", "--size", "tiny", "--scenarios", "stack_decode,stack_prefill",
