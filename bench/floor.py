@@ -52,19 +52,34 @@ def _per_query(cfg, layer: str, t: np.ndarray):
     return keys, attn_flops + index_flops, index_bytes_elems
 
 
+def cache_row_bytes(cfg, itemsize: int, kv_cache_dtype: str = "auto") -> tuple[float, float]:
+    """Bytes of one main KV row and of one indexer key as the cache stores them: `itemsize` a
+    value, or with ``kv_cache_dtype="fp8"`` (`dsv4_jax.quantized_cache`) one byte a non-RoPE
+    value plus a scale byte a block of 64, RoPE values at `itemsize`; indexer keys one byte a
+    value plus a scale byte a block of 32 (V4-Flash: 583 and 132 bytes against 1024 and 256)."""
+    d, c = cfg.head_dim, cfg.index_head_dim
+    if kv_cache_dtype == "auto":
+        return float(d * itemsize), float(c * itemsize)
+    nope = d - cfg.qk_rope_head_dim
+    return float(nope + -(-nope // 64) + cfg.qk_rope_head_dim * itemsize), float(c + -(-c // 32))
+
+
 def floor(cfg, layer: str, batch: int, start: int, new_tokens: int, weight_bytes: int, itemsize: int,
-          bytes_per_s: float = H200_BYTES_PER_S, flops_per_s: float = H200_FLOPS) -> dict:
-    """Floor of one call of `new_tokens` per row starting at position `start` (seconds and parts)."""
+          bytes_per_s: float = H200_BYTES_PER_S, flops_per_s: float = H200_FLOPS,
+          kv_cache_dtype: str = "auto") -> dict:
+    """Floor of one call of `new_tokens` per row starting at position `start` (seconds and parts);
+    the cache's bytes as `kv_cache_dtype` stores them (`cache_row_bytes`)."""
     t = np.arange(start, start + new_tokens, dtype=np.int64)
     keys, flops_q, index_elems = _per_query(cfg, layer, t)
     flops = batch * (2.0 * projection_params(cfg, layer) * new_tokens + float(flops_q.sum()))
-    d = cfg.head_dim
+    row, index_row = cache_row_bytes(cfg, itemsize, kv_cache_dtype)
+    index_rows = index_elems / cfg.index_head_dim
     if new_tokens == 1:  # decode: the cache a step reads, per row
-        cache_elems = float(keys[-1] * d + index_elems[-1])
+        cache_bytes = float(keys[-1] * row + index_rows[-1] * index_row)
     else:  # prefill: every key read once (it is written by this call) + the entries written
-        cache_elems = float(keys.max() * d + index_elems.max())
+        cache_bytes = float(keys.max() * row + index_rows.max() * index_row)
     act_elems = new_tokens * (2 * cfg.hidden_size)
-    nbytes = weight_bytes + batch * (cache_elems + act_elems) * itemsize
+    nbytes = weight_bytes + batch * (cache_bytes + act_elems * itemsize)
     t_bytes, t_flops = nbytes / bytes_per_s, flops / flops_per_s
     return {"floor_ms": 1e3 * max(t_bytes, t_flops), "floor_bytes": nbytes, "floor_flops": flops,
             "floor_bound": "bytes" if t_bytes >= t_flops else "flops"}

@@ -18,6 +18,9 @@
 #             setting in turn per shape (OVERLAPS, default "on,off"; STACKS, BATCHES, CONTEXTS) and the
 #             module call -> $OUT/overlap_stack.json; then the PR-like decode (bench/run.py decode_pr,
 #             MODES, PR_BATCHES) in one process per setting, ORDER (default "on off on")
+#   fp8       FP8 caches (dsv4_jax.quantized_cache): their GPU tests (bit for bit against the bf16
+#             cache), then the decode stacks with --numerics official and each cache format in turn
+#             per shape (KV_DTYPES, default "auto,fp8"; STACKS, BATCHES, CONTEXTS) -> $OUT/fp8_stack.json
 #   ab        bench/stack.py's decode stacks of the tree against the tree with files swapped in, one
 #             process per variant on one machine: ORDER (default "new old new"), AB_DIR (the files of
 #             "old" at their paths, default build/ab_old; any other tag T: build/ab_T), STACKS,
@@ -110,6 +113,17 @@ overlap() {
       >"$OUT/overlap_pr_${i}_$setting.log" 2>&1
     echo "PR-like $i $setting rc=$?"; grep "decode_pr\|Error" "$OUT/overlap_pr_${i}_$setting.log" | head -12
   done
+}
+
+fp8() {
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_quantized_cache.py -k gpu \
+    >"$OUT/fp8_tests.log" 2>&1
+  echo "fp8 tests rc=$?"; tail -3 "$OUT/fp8_tests.log"
+  timeout "${STACK_TIMEOUT:-420}" python3 bench/stack.py --size flash --scenarios stack_decode --same-buffers all \
+    --numerics official --kv-cache-dtype "${KV_DTYPES:-auto,fp8}" --stacks "${STACKS:-csa,hca}" \
+    --batches "${BATCHES:-1,8}" --contexts "${CONTEXTS:-16384,131072,1048576}" --json "$OUT/fp8_stack.json" \
+    >"$OUT/fp8_stack.log" 2>&1
+  echo "fp8 stacks rc=$?"; grep "^stack_decode\|Error" "$OUT/fp8_stack.log" | tail -40
 }
 
 ab() {

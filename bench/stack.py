@@ -77,11 +77,13 @@ import numpy as np  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
+from dsv4_jax import numerics as numerics_mod  # noqa: E402
 from dsv4_jax import overlap as overlap_mod  # noqa: E402
 from dsv4_jax import step as step_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 from dsv4_jax.demo import stack_step  # noqa: E402
 from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
+from dsv4_jax.quantized_cache import check_kv_cache_dtype  # noqa: E402
 
 STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
 FLOOR_LAYER = {CSA: "csa", HCA: "hca"}
@@ -135,15 +137,19 @@ class Stack:
     """The layers of one stack (random weights, as `bench/run.py`'s), their specs and weights."""
 
     def __init__(self, cfg, kind: str, n: int, dtype, seed: int, mode: str, fused: bool = True, kernel_args=None,
-                 overlap: str = "auto"):
+                 overlap: str = "auto", numerics: str = "reference", kv_cache_dtype: str = "auto"):
         """`kernel_args`: the command line, whose A/B switches change the mode's kernel plan
-        (`kernel_plan`); `overlap`: the layers' setting (`set_overlap`)."""
+        (`kernel_plan`); `overlap`: the layers' setting (`set_overlap`); `numerics`: the layers'
+        (`dsv4_jax.numerics`); `kv_cache_dtype`: the caches' format ("auto", "fp8": official
+        numerics only; `dsv4_jax.quantized_cache`), which the floor's cache bytes follow."""
         self.cfg, self.kind, self.dtype = cfg, kind, jnp.dtype(dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.indices = stack_layer_indices(cfg, kind, n)
         self.layers = []
         for i in self.indices:
             attn = measure.build_layer(cfg, i, self.dtype, seed + i)
             plan_mod.apply_mode(attn, mode)
+            attn.numerics = numerics
             if kernel_args is not None:
                 attn.kernels = kernel_plan(kernel_args, attn.kernels)
             self.layers.append(attn)
@@ -167,7 +173,8 @@ class Stack:
     def empty_caches(self, batch: int, max_seq_len: int):
         # allow_long_context: a decode from a context of max_position_embeddings tokens needs a
         # few slots past it (the steps timed, rounded up); the cost is what is measured here.
-        return [a.init_cache(batch, max_seq_len, allow_long_context=True).replace(layer_idx=-1) for a in self.layers]
+        return [a.init_cache(batch, max_seq_len, allow_long_context=True, kv_cache_dtype=self.kv_cache_dtype)
+                .replace(layer_idx=-1) for a in self.layers]
 
     def synthetic_caches(self, batch: int, max_seq_len: int, context: int, seed: int):
         """Caches as after `context` tokens: every leaf random (see the module docstring)."""
@@ -177,7 +184,7 @@ class Stack:
             leaves, tree = jax.tree.flatten(cache.replace(length=None))
             keys = jax.random.split(key, len(leaves) + 1)
             key = keys[0]
-            leaves = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys[1:], leaves)]
+            leaves = [_random_leaf(k, x) for k, x in zip(keys[1:], leaves)]
             filled = jax.tree.unflatten(tree, leaves)
             out.append(filled.replace(length=jnp.full((batch,), context, jnp.int32)))
         return jax.block_until_ready(out)
@@ -185,12 +192,20 @@ class Stack:
     def floor(self, batch: int, start: int, new_tokens: int) -> dict:
         """The per-layer floor: the mean of the layers' floors (bench/floor.py)."""
         floors = [floor_mod.floor(self.cfg, FLOOR_LAYER[a.layer_type], batch, start, new_tokens, wb,
-                                  self.dtype.itemsize)
+                                  self.dtype.itemsize, kv_cache_dtype=self.kv_cache_dtype)
                   for a, wb in zip(self.layers, self.weight_bytes)]
         return {"floor_ms": float(np.mean([f["floor_ms"] for f in floors])),
                 "floor_bytes": float(np.mean([f["floor_bytes"] for f in floors])),
                 "floor_flops": float(np.mean([f["floor_flops"] for f in floors])),
                 "floor_bound": "/".join(sorted({f["floor_bound"] for f in floors}))}
+
+
+def _random_leaf(key, like):
+    """A random array shaped like a cache leaf: normal values, or for an FP8 cache's scale bytes
+    (uint8) exponents near 2**0 (`dsv4_jax.quantized_cache`)."""
+    if like.dtype == jnp.uint8:
+        return jax.random.randint(key, like.shape, 120, 128, jnp.int32).astype(jnp.uint8)
+    return jax.random.normal(key, like.shape, jnp.float32).astype(like.dtype)
 
 
 def _round_up(n: int, to: int = 128) -> int:
@@ -595,10 +610,15 @@ def run(args, write=None) -> tuple[list, dict]:
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefills.split(",")] if args.prefills else []
     overlaps = [overlap_mod.check_overlap(v) for v in args.overlap.split(",")]
+    kv_dtypes = [check_kv_cache_dtype(v) for v in args.kv_cache_dtype.split(",")]
+    if "fp8" in kv_dtypes and args.numerics != "official":
+        raise ValueError("--kv-cache-dtype: fp8 caches hold the official numerics' rounding; expected "
+                         f"--numerics official, got --numerics {args.numerics}")
     for mode in ([] if args.call_overhead_only else args.modes.split(",")):
         for kind in args.stacks.split(","):
             stack = Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, mode,
-                          fused=not getattr(args, "unfused_projections", False), kernel_args=args)
+                          fused=not getattr(args, "unfused_projections", False), kernel_args=args,
+                          numerics=args.numerics)
             base = {"size": args.size, "stack": kind, "layer_type": stack.layer_type, "n_layers": len(stack.layers),
                     "layer_indices": stack.indices, "mode": mode, "dtype": dtype.name,
                     "native_select": stack.specs[0].plan.native_select if CSA in STACKS[kind] else None,
@@ -608,12 +628,15 @@ def run(args, write=None) -> tuple[list, dict]:
                 jobs += [("stack_decode", b, c) for c in contexts for b in batches]
             if "stack_prefill" in scenarios:
                 jobs += [("stack_prefill", 1, p) for p in prefills]
-            for scenario, batch, length, overlap in [(*job, ov) for job in jobs for ov in overlaps]:
+            for scenario, batch, length, overlap, kv in [(*job, ov, kv) for job in jobs for ov in overlaps
+                                                          for kv in kv_dtypes]:
                 stack.set_overlap(overlap)
+                stack.kv_cache_dtype = kv
                 rec = {"scenario": scenario, "batch": batch,
                        "context_len": length if scenario == "stack_decode" else None,
                        "prompt_len": length if scenario == "stack_prefill" else None, **base,
-                       "overlap": overlap, "overlap_active": stack.overlap_active, "error": None}
+                       "overlap": overlap, "overlap_active": stack.overlap_active, "numerics": args.numerics,
+                       "kv_cache_dtype": kv, "error": None}
                 try:
                     if scenario == "stack_decode":
                         rec.update(time_decode(stack, batch, length, args.steps, args.repeats, args.seed,
@@ -682,6 +705,8 @@ def markdown(records: list, meta: dict) -> str:
                 "blocking step ms | host ms / step | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             overlap = r.get("overlap", "")  # records before the overlap switch have none
+            if r.get("kv_cache_dtype", "auto") != "auto":
+                overlap += f", {r['kv_cache_dtype']} cache"
             if r.get("error"):
                 out.append(f"| {r['mode']} | {overlap} | {r['stack']} | {r['layer_type']} | {r['batch']} | "
                            f"{r['context_len'] or r['prompt_len']} | error: {r['error'][:80]} | | | | | |")
@@ -771,6 +796,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap", default="auto", metavar="SETTING[,SETTING...]",
                     help="the layers' overlap (dsv4_jax.overlap: auto, on, off); a list runs each job once per "
                          "setting, in order, back to back (the A/B: e.g. on,off,on); records carry `overlap`")
+    ap.add_argument("--numerics", default="reference", choices=numerics_mod.NUMERICS,
+                    help="the layers' numerics (dsv4_jax.numerics; fp8 caches need official); records carry it")
+    ap.add_argument("--kv-cache-dtype", default="auto", metavar="FORMAT[,FORMAT...]",
+                    help="the caches' format (auto, fp8: dsv4_jax.quantized_cache, with --numerics official); a "
+                         "list runs each job once per format, back to back (the A/B); records carry "
+                         "`kv_cache_dtype`, and the floor counts the format's bytes")
     ap.add_argument("--render", default=None, metavar="JSON")
     ap.add_argument("--prefill-chunk", default=None, type=prefill_chunk_arg, metavar="N|auto",
                     help="stack_prefill as consecutive calls of N tokens (auto: the largest chunk whose estimated "

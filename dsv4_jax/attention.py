@@ -27,6 +27,7 @@ from .cache import AttentionCache, init_attention_cache
 from .compressor import CompressorWeights
 from .config import CSA, HCA, DeepseekV4Config
 from .indexer import IndexerWeights
+from .quantized_cache import check_kv_cache_dtype
 from .step import DERIVED_WEIGHTS, AttentionWeights, StepSpec, fuse_input_projections
 
 
@@ -317,7 +318,7 @@ class DeepseekV4Attention(nnx.Module):
 
     # ------------------------------------------------------------------ public API
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None, *,
-                   allow_long_context: bool = False) -> AttentionCache:
+                   allow_long_context: bool = False, kv_cache_dtype: str = "auto") -> AttentionCache:
         """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
         dtype: the cache dtype; defaults to the layer's compute dtype, which is `dtype`, else
@@ -328,11 +329,20 @@ class DeepseekV4Attention(nnx.Module):
         allow_long_context: `max_seq_len` past ``config.max_position_embeddings`` (positions the
         model was not trained for) is a `ValueError` naming both unless this is True (as vLLM
         refuses a ``max_model_len`` past the model's limit unless told otherwise).
+        kv_cache_dtype: "auto" (the rows in `dtype`) or "fp8" (FP8 caches: the window and the
+        compressed entries as FP8 grid values with a scale byte a block, the indexer's keys on
+        the FP4 grid, in about half the bytes; `dsv4_jax.quantized_cache`). Lossless for a layer
+        with ``numerics="official"`` (same picks and outputs as its bf16 cache, bit for bit),
+        which it requires: with "reference" numerics a `ValueError` names ``kv_cache_dtype``.
         """
         dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         dtype = dtype or self.compute_dtype
+        if check_kv_cache_dtype(kv_cache_dtype) == "fp8" and self.numerics != "official":
+            raise ValueError(
+                "kv_cache_dtype: 'fp8' stores the keys on the official numerics' FP8/FP4 grid; expected a layer "
+                f"with numerics='official', got numerics={self.numerics!r}")
         cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
-                                     allow_long_context=allow_long_context)
+                                     allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype)
         # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)
 

@@ -17,6 +17,10 @@ compressor          CompressorCache       CSA/HCA layers: compressed KV entries 
 indexer             CompressorCache       CSA layers: the indexer's own key compressor
 ==================  ====================  ===============================================
 
+With ``kv_cache_dtype="fp8"`` the window and the entries (the main KV and the indexer's
+keys) are `quantized_cache.QuantizedRows` standing for those [B, N, D] arrays: FP8 grid values
+and scale bytes, lossless for the official numerics (the rings stay in the cache dtype).
+
 Ragged batches: a call may carry a different number of real tokens per row; a row's padded
 slots (position `PAD` = -1, after its real tokens) write nothing and `length` counts real
 tokens only (`real_tokens`, `advance_length`). `reset_rows` empties chosen rows.
@@ -38,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .backend import Array, namespace, scatter_rows
+from .backend import Array, namespace
 from .config import CSA, HCA, SLIDING
+from .quantized_cache import check_kv_cache_dtype, quantized_zeros, write_rows
 
 
 @struct.dataclass
@@ -207,11 +212,13 @@ def _zero_rows(a: Array, rows) -> Array:
 
 
 def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,
-                          dtype) -> CompressorCache:
+                          dtype, entry_format=None) -> CompressorCache:
     """An empty compressor state: `entries` slots of `dim`, a ring of `ring_slots(ratio, overlap)`
-    tokens' kv and gate projections, each `width` (= n*dim) wide."""
+    tokens' kv and gate projections, each `width` (= n*dim) wide. `entry_format`: None (entries
+    in `dtype`), or ``(grid, rope_dim)`` for FP8 entries (`quantized_cache.quantized_zeros`)."""
     return CompressorCache(
-        entries=jnp.zeros((batch, entries, dim), dtype),
+        entries=(jnp.zeros((batch, entries, dim), dtype) if entry_format is None
+                 else quantized_zeros(batch, entries, dim, entry_format[1], dtype, entry_format[0])),
         buffer=jnp.zeros((batch, ring_slots(ratio, overlap), 2 * width), dtype),
     )
 
@@ -231,7 +238,8 @@ def insert_ring(ring: Array, values: Array, length: Array, frozen: Array | None 
     scatter. frozen [B] bool (optional): rows written nothing (their scatter indices point
     past the ring and are dropped: no copy of the ring). count [B] int32 (optional, ragged
     calls): real tokens per row, ``values[:, :count]``; the padded slots after them write
-    nothing (default: all S are real). Runs under XLA or NumPy.
+    nothing (default: all S are real). Runs under XLA or NumPy. An FP8 window
+    (`quantized_cache.QuantizedRows`) is written the quantized values.
     """
     r, s = ring.shape[1], values.shape[1]
     n = min(s, r)
@@ -240,7 +248,7 @@ def insert_ring(ring: Array, values: Array, length: Array, frozen: Array | None 
         slot = pos % r
         if frozen is not None:
             slot = namespace(slot, frozen).where(frozen[:, None], r, slot)
-        return scatter_rows(ring, slot, values[:, s - n :])
+        return write_rows(ring, slot, values[:, s - n :])
     # Ragged: row b's last min(count_b, R) real values are its columns count_b - n .. count_b - 1;
     # columns before 0 (a row with fewer than n real tokens) are dropped, never written twice.
     xp = namespace(values, length, count)
@@ -250,16 +258,19 @@ def insert_ring(ring: Array, values: Array, length: Array, frozen: Array | None 
         keep = keep & ~frozen[:, None]
     slot = xp.where(keep, (length[:, None] + col) % r, r)
     picked = xp.take_along_axis(values, xp.maximum(col, 0)[..., None], axis=1)
-    return scatter_rows(ring, slot, picked)
+    return write_rows(ring, slot, picked)
 
 
 def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int, dtype, *,
-                         allow_long_context: bool = False) -> AttentionCache:
+                         allow_long_context: bool = False, kv_cache_dtype: str = "auto") -> AttentionCache:
     """An empty cache for layer `layer_idx` of `cfg` (all zeros, length 0).
 
     `max_seq_len` past ``cfg.max_position_embeddings`` is refused (`check_position_limit`)
-    unless `allow_long_context`.
+    unless `allow_long_context`. `kv_cache_dtype`: "auto" (rows in `dtype`) or "fp8" (the
+    window and the entries as `quantized_cache.QuantizedRows`: main KV on the FP8 grid with
+    `dtype` RoPE channels, indexer keys on the FP4 grid; for ``numerics="official"`` layers).
     """
+    fp8 = check_kv_cache_dtype(kv_cache_dtype) == "fp8"
     layer_type = cfg.layer_type(layer_idx)
     for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -275,16 +286,17 @@ def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int,
         entry_slots = cfg.entry_slots(layer_type, max_seq_len)
         compressor = init_compressor_cache(
             batch_size, entry_slots, ratio, cfg.head_dim, cfg.compressor_width(layer_type),
-            overlap=layer_type == CSA, dtype=dtype,
+            overlap=layer_type == CSA, dtype=dtype, entry_format=("fp8", cfg.qk_rope_head_dim) if fp8 else None,
         )
         if layer_type == CSA:
             indexer = init_compressor_cache(
                 batch_size, entry_slots, ratio, cfg.index_head_dim, cfg.compressor_width(CSA, indexer=True),
-                overlap=True, dtype=dtype,
+                overlap=True, dtype=dtype, entry_format=("fp4", 0) if fp8 else None,
             )
     return AttentionCache(
         length=np.zeros((batch_size,), np.int32),
-        window=jnp.zeros((batch_size, cfg.sliding_window, cfg.head_dim), dtype),
+        window=(quantized_zeros(batch_size, cfg.sliding_window, cfg.head_dim, cfg.qk_rope_head_dim, dtype, "fp8")
+                if fp8 else jnp.zeros((batch_size, cfg.sliding_window, cfg.head_dim), dtype)),
         compressor=compressor,
         indexer=indexer,
         layer_idx=layer_idx,

@@ -31,9 +31,10 @@ import numpy as np
 from flax import struct
 
 from . import compressor_kernel
-from .backend import Array, differentiated_as, namespace, scatter_rows
+from .backend import Array, differentiated_as, namespace
 from .cache import CompressorCache, insert_ring
 from .norms import rms_norm
+from .quantized_cache import write_rows
 from .rope import apply_rope
 
 
@@ -129,7 +130,7 @@ def compress(
     if frozen is not None:
         write = write & ~frozen[:, None]
     write_at = xp.where(write, first_entry[:, None] + j, state.entries.shape[1])
-    entries = scatter_rows(state.entries, write_at, pooled)
+    entries = write_rows(state.entries, write_at, pooled)  # quantized where the entries are FP8
     return state.replace(entries=entries, buffer=ring)
 
 

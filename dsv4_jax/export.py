@@ -54,9 +54,11 @@ from .attention import DeepseekV4Attention
 from .cache import AttentionCache, CompressorCache
 from .compressor import CompressorWeights
 from .indexer import IndexerWeights
+from .quantized_cache import QuantizedRows
 from .step import AttentionWeights, Intermediates, StepSpec, attention_step
 
-PYTREES = (AttentionWeights, CompressorWeights, IndexerWeights, AttentionCache, CompressorCache, Intermediates)
+PYTREES = (AttentionWeights, CompressorWeights, IndexerWeights, AttentionCache, CompressorCache, QuantizedRows,
+           Intermediates)
 
 # The native targets an exported step may call (see `dsv4_jax.native`): the graph-compatible
 # selection of break_mode="none" (native_kernels=True) and the eager device break of "narrow".

@@ -59,18 +59,20 @@ def _config_with(cfg: DeepseekV4Config, layer_type: str) -> tuple[DeepseekV4Conf
 
 
 def cache_bytes(cfg: DeepseekV4Config, layer_type: str, max_seq_len: int, *, batch: int = 1,
-                dtype=jnp.bfloat16) -> int:
+                dtype=jnp.bfloat16, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one layer's cache of `batch` rows and `max_seq_len` tokens: the sum over the
     leaves of the cache `init_cache` makes (shapes from `jax.eval_shape`, nothing allocated).
-    Any `max_seq_len` is accepted here (costing a cache is not making one)."""
-    return _cache_bytes(cfg, layer_type, int(max_seq_len), int(batch), jnp.dtype(dtype))
+    Any `max_seq_len` is accepted here (costing a cache is not making one). `kv_cache_dtype`:
+    "auto" or "fp8" (`init_cache`'s; FP8 rows cost about half)."""
+    return _cache_bytes(cfg, layer_type, int(max_seq_len), int(batch), jnp.dtype(dtype), kv_cache_dtype)
 
 
 @functools.lru_cache(maxsize=256)  # `prefill_chunk_size` asks for the same cache at every chunk it tries
-def _cache_bytes(cfg: DeepseekV4Config, layer_type: str, max_seq_len: int, batch: int, dtype) -> int:
+def _cache_bytes(cfg: DeepseekV4Config, layer_type: str, max_seq_len: int, batch: int, dtype,
+                 kv_cache_dtype: str) -> int:
     cfg, idx = _config_with(cfg, layer_type)
     shapes = jax.eval_shape(lambda: init_attention_cache(cfg, idx, batch, max_seq_len, dtype,
-                                                         allow_long_context=True))
+                                                         allow_long_context=True, kv_cache_dtype=kv_cache_dtype))
     return cache_nbytes(shapes)
 
 
@@ -80,39 +82,45 @@ def _costing_lengths(cfg: DeepseekV4Config, layer_type: str) -> tuple[int, int]:
     return step, 2 * step
 
 
-def cache_bytes_per_token(cfg: DeepseekV4Config, layer_type: str, dtype=jnp.bfloat16) -> float:
+def cache_bytes_per_token(cfg: DeepseekV4Config, layer_type: str, dtype=jnp.bfloat16,
+                          kv_cache_dtype: str = "auto") -> float:
     """Bytes per row that one layer's cache grows by per token of `max_seq_len`.
 
     From the real leaves: the difference of `cache_bytes` between two lengths one compression
     window apart, divided by the window. Sliding layers: 0 (their cache is the window ring);
-    CSA: ``(head_dim + index_head_dim) * itemsize / m``; HCA: ``head_dim * itemsize / m'``.
+    CSA: ``(head_dim + index_head_dim) * itemsize / m``; HCA: ``head_dim * itemsize / m'``
+    (FP8 caches: a main KV row of 583 bytes and an indexer key of 132 at V4-Flash widths).
     """
     short, long = _costing_lengths(cfg, layer_type)
-    return (cache_bytes(cfg, layer_type, long, dtype=dtype) - cache_bytes(cfg, layer_type, short, dtype=dtype)) / (
-        long - short)
+    size = functools.partial(cache_bytes, cfg, layer_type, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    return (size(long) - size(short)) / (long - short)
 
 
-def cache_fixed_bytes(cfg: DeepseekV4Config, layer_type: str, dtype=jnp.bfloat16) -> int:
+def cache_fixed_bytes(cfg: DeepseekV4Config, layer_type: str, dtype=jnp.bfloat16,
+                      kv_cache_dtype: str = "auto") -> int:
     """Bytes per row of one layer's cache that do not grow with `max_seq_len`: the window ring,
     the compressors' rings and the length (``cache_bytes(L) == fixed + per_token * L`` for L a
     multiple of the compression ratio)."""
     short, long = _costing_lengths(cfg, layer_type)  # long = 2 * short: the line through both, at 0
-    return 2 * cache_bytes(cfg, layer_type, short, dtype=dtype) - cache_bytes(cfg, layer_type, long, dtype=dtype)
+    size = functools.partial(cache_bytes, cfg, layer_type, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    return 2 * size(short) - size(long)
 
 
-def cache_table(cfg: DeepseekV4Config, max_seq_len: int, dtype=jnp.bfloat16, batch: int = 1) -> list[dict]:
+def cache_table(cfg: DeepseekV4Config, max_seq_len: int, dtype=jnp.bfloat16, batch: int = 1,
+                kv_cache_dtype: str = "auto") -> list[dict]:
     """One row per layer type of `cfg`: how many layers it has, the cache's bytes per token and
     fixed bytes (per row), one layer's cache at `max_seq_len` (`batch` rows, exact) and all
-    layers of the type together (``total``)."""
+    layers of the type together (``total``), for caches of `kv_cache_dtype` ("auto", "fp8")."""
+    fmt = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     rows = []
     for layer_type in LAYER_TYPES:
         count = cfg.layer_types.count(layer_type)
         if not count:
             continue
-        per_layer = cache_bytes(cfg, layer_type, max_seq_len, batch=batch, dtype=dtype)
+        per_layer = cache_bytes(cfg, layer_type, max_seq_len, batch=batch, **fmt)
         rows.append({"layer_type": layer_type, "layers": count,
-                     "bytes_per_token": cache_bytes_per_token(cfg, layer_type, dtype),
-                     "fixed_bytes": cache_fixed_bytes(cfg, layer_type, dtype),
+                     "bytes_per_token": cache_bytes_per_token(cfg, layer_type, **fmt),
+                     "fixed_bytes": cache_fixed_bytes(cfg, layer_type, **fmt),
                      "per_layer": per_layer, "total": count * per_layer})
     return rows
 
@@ -126,9 +134,10 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def cache_table_markdown(cfg: DeepseekV4Config, max_seq_len: int, dtype=jnp.bfloat16, batch: int = 1) -> str:
+def cache_table_markdown(cfg: DeepseekV4Config, max_seq_len: int, dtype=jnp.bfloat16, batch: int = 1,
+                         kv_cache_dtype: str = "auto") -> str:
     """`cache_table` as a markdown table, with a last row for the whole model (its layers summed)."""
-    rows = cache_table(cfg, max_seq_len, dtype, batch)
+    rows = cache_table(cfg, max_seq_len, dtype, batch, kv_cache_dtype)
     out = [f"| layer type | layers | bytes / token, one layer | fixed bytes, one layer | one layer at "
            f"{max_seq_len:,} tokens | all layers of the type |", "|---|---|---|---|---|---|"]
     for r in rows:

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -100,6 +102,13 @@ def _quantize(x: Array, block: int, qmax: float, floor: np.float32, grid: np.dty
     float32 scales [..., nb, 1] (NaN for a non-finite block), n)."""
     xp = namespace(x)
     xf = x.astype(np.float32)
+    if xp is not np and x.dtype != np.float32:
+        # XLA may compute a bf16 value in float32 and skip its rounding inside a fusion
+        # (``xla_allow_excess_precision``, on by default on GPUs): the quantizer would then see
+        # the float32 value it came from, and two programs (or two fusions) of the same math
+        # would round differently. reduce_precision pins the input's own rounding.
+        info = jnp.finfo(x.dtype)
+        xf = jax.lax.reduce_precision(xf, exponent_bits=info.nexp, mantissa_bits=info.nmant)
     xf = xp.where(xp.abs(xf) < _TINY, xp.copysign(np.float32(0), xf), xf)  # subnormals -> signed 0
     xb, n = _blocks(xf, block)
     amax = xp.max(xp.abs(xb), axis=-1, keepdims=True)
@@ -108,7 +117,13 @@ def _quantize(x: Array, block: int, qmax: float, floor: np.float32, grid: np.dty
     amax = xp.where(finite, xp.maximum(amax, floor), np.finfo(np.float32).max)
     scale = _pow2_scale(amax, qmax)
     q = xp.clip(xb / scale, np.float32(-qmax), np.float32(qmax))
-    q = xp.where(finite, q, np.float32(0)).astype(grid).astype(np.float32)
+    q = xp.where(finite, q, np.float32(0)).astype(grid)
+    if xp is not np:
+        # With excess precision allowed (XLA:GPU's default) XLA removes a narrowing convert
+        # followed by the widening one back (f32 -> e4m3 -> f32 becomes f32): the rounding onto
+        # the grid would silently not happen. The barrier keeps the grid values.
+        q = jax.lax.optimization_barrier(q)
+    q = q.astype(np.float32)
     q = xp.where(finite, q, np.float32(np.nan))
     return q, xp.where(finite, scale, np.float32(np.nan)), n
 
@@ -170,6 +185,29 @@ def _dequantize(values: Array, scales: Array, dtype, block: int) -> Array:
     vb, _ = _blocks(values.astype(np.float32), block)
     s = scales.astype(np.float32)[..., None]
     return _unblock(vb * s, n).astype(dtype)
+
+
+def quantize_to_bits(x: Array, block: int, grid: str) -> tuple[Array, Array]:
+    """The compact cache form of `x` [..., n] on the official FP8 or FP4 grid: (the grid values
+    as float8_e4m3fn [..., n], the scales' UE8M0 exponent bytes as uint8 [..., ceil(n / block)]).
+
+    grid: "fp8" (the main attention's KV, `fp8_round_trip`) or "fp4" (the indexer's keys,
+    `fp4_round_trip`; e2m1 values are e4m3 values too, so one container holds both grids).
+    The scale byte is the float32 scale's exponent field (a power of two: ``2 ** (e - 127)``;
+    255 for a non-finite block). `dequantize_bits` of it is the round trip, bit for bit. A
+    byte 0 dequantizes to zero: an empty cache of zeros reads as zeros (e8m0 has no zero).
+    """
+    qmax, floor = {"fp8": (FP8_MAX, FP8_AMAX_FLOOR), "fp4": (FP4_MAX, FP4_AMAX_FLOOR)}[grid]
+    q, scale, n = _quantize(x, block, qmax, floor, FP8 if grid == "fp8" else FP4)
+    exponent = (scale[..., 0].view(np.uint32) >> _EXPONENT_SHIFT) & np.uint32(0xFF)  # NaN -> 255
+    return _unblock(q, n).astype(FP8), exponent.astype(np.uint8)
+
+
+def dequantize_bits(values: Array, exponents: Array, dtype, block: int) -> Array:
+    """`values` (float8_e4m3fn [..., n]) times ``2 ** (exponent - 127)`` per block of the last
+    axis (uint8 [..., ceil(n / block)]; 0 -> a zero scale, 255 -> infinity), in `dtype`: the
+    inverse of `quantize_to_bits`, the same float32 product as the round trips."""
+    return _dequantize(values, (exponents.astype(np.uint32) << _EXPONENT_SHIFT).view(np.float32), dtype, block)
 
 
 def hadamard_rotate(x: Array) -> Array:

@@ -49,6 +49,7 @@ from .compressor import CompressorWeights, compress, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .indexer import IndexerWeights, head_weights, index_queries
 from .norms import head_rms_norm, rms_norm
+from .quantized_cache import check_cache_numerics, read, read_picked
 from .rope import apply_rope, attention_factor, inv_freq
 from .sparse_attention import key_pool, sparse_attention
 
@@ -315,7 +316,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
             queries = round_indexer(queries)
     visible = visible_entries(positions, spec.ratio)
     with jax.named_scope("indexer_select"):
-        selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
+        selected = select(queries, inputs.indexer_weights, read(index_state.entries), visible,
                           top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 
@@ -379,6 +380,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     `jax.experimental.checkify.checkify`; see `check_in_graph`).
     """
     cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
+    check_cache_numerics(cache, spec.numerics)
     x = hidden_states.astype(dtype)
     length = jnp.asarray(cache.length, jnp.int32)
     positions = next_positions(length, x.shape[1]) if positions is None else positions.astype(jnp.int32)
@@ -398,14 +400,19 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         stages = run_stages(inputs, cache, positions, weights, spec)
 
     # 5. Sparse attention over [window | picked or visible entries] with the sink.
-    entries = stages.compressor.entries if stages.compressor is not None else None
+    # An FP8 cache's rows are read dequantized (the values a bf16 cache holds, `quantized_cache`);
+    # a CSA step dequantizes only its picks where they are fewer than the cache's rows.
+    entries, picks = None, stages.picks
+    if stages.compressor is not None:
+        entries, picks = (read_picked(stages.compressor.entries, picks) if picks is not None
+                          else (read(stages.compressor.entries), None))
     visible = visible_entries(positions, spec.ratio) if spec.layer_type != SLIDING else None
     with jax.named_scope("sparse_attention"):
-        pool, window_idx, in_place = key_pool(cache.window, stages.window, stages.kv, positions, length,
+        pool, window_idx, in_place = key_pool(read(cache.window), read(stages.window), stages.kv, positions, length,
                                               cfg.sliding_window)
         attended = sparse_attention(
             stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
-            entries=entries, picks=stages.picks, visible=visible if spec.layer_type == HCA else None,
+            entries=entries, picks=picks, visible=visible if spec.layer_type == HCA else None,
             block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
             kernels=spec.plan.kernels,
         )
@@ -433,7 +440,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         intermediates = Intermediates(
             queries=padded_zero(stages.q), keys=padded_zero(stages.kv), sink_mass=padded_zero(attended.sink_mass),
             window_mass=padded_zero(attended.window_mass), compressed_mass=padded_zero(attended.compressed_mass),
-            index_scores=stages.index_scores, topk=stages.picks, compressed_kv=entries,
+            index_scores=stages.index_scores, topk=stages.picks, compressed_kv=read(stages.compressor.entries)
+            if stages.compressor is not None else None,
             num_entries=None if entries is None else new_length // spec.ratio,
             visible_entries=visible,
         )

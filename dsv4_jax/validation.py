@@ -44,6 +44,7 @@ import numpy as np
 from .backend import is_tracer
 from .cache import AttentionCache, advance_length, next_positions
 from .config import CSA, HCA
+from .quantized_cache import check_cache_numerics
 
 CHECK_FINITE_MODES = (True, "host", False)
 CHECK_FINITE: bool | str = True  # the default of `attn.check_finite` (see the module docstring)
@@ -94,6 +95,7 @@ def check_cache(attn, cache: Any) -> None:
                 f"cache.{part}: expected {'a compressor state' if part in expect else 'None'} for a "
                 f"{attn.layer_type} layer, got {'a state' if present else 'None'}"
             )
+    check_cache_numerics(cache, attn.numerics)
     if cache.compressor is not None:
         want = cfg.entry_slots(attn.layer_type, cache.max_seq_len)
         if cache.compressor.entries.shape[1:] != (want, cfg.head_dim):

@@ -77,13 +77,14 @@ def test_exported_decode_step_continues_a_cache():
 
 
 def test_every_library_pytree_round_trips():
-    """All six pytrees (static fields included) as the inputs and outputs of an exported function."""
-    attn = random_layer(TINY, LAYER[CSA], seed=5, break_mode="none", kernels="xla")
-    cache = attn.init_cache(BATCH, MAX_LEN).replace(layer_idx=1)
+    """All seven pytrees (static fields included) as the inputs and outputs of an exported function
+    (an FP8 cache brings `QuantizedRows`)."""
+    attn = random_layer(TINY, LAYER[CSA], seed=5, break_mode="none", kernels="xla", numerics="official")
+    cache = attn.init_cache(BATCH, MAX_LEN, kv_cache_dtype="fp8").replace(layer_idx=1)
     inter = dsv4_jax.Intermediates(*[np.full((2,), i, np.float32) for i in range(10)])
     trees = (attn.weights(), cache, inter)
     w = trees[0]
-    assert {type(n) for n in (w, w.compressor, w.indexer, cache, cache.indexer, inter)} == set(PYTREES)
+    assert {type(n) for n in (w, w.compressor, w.indexer, cache, cache.indexer, cache.window, inter)} == set(PYTREES)
     exported = jax.export.export(jax.jit(lambda *t: t))(*trees)
     back = deserialize_step(serialize_step(exported))
     assert back.in_tree == jax.tree.structure((trees, {})) and back.out_tree == jax.tree.structure(trees)

@@ -68,6 +68,24 @@ def test_the_overlap_ab_switches_the_layers_and_the_stacks_program():
     assert runs["on"]["temp_bytes"] >= 0
 
 
+def test_fp8_caches_in_the_stack_and_its_floor():
+    """--kv-cache-dtype fp8 (with --numerics official): the stack's caches are FP8, its decode
+    runs, and the floor counts the FP8 bytes (less than the same run's bf16 floor)."""
+    from dsv4_jax.quantized_cache import is_quantized
+
+    args = stack.build_parser().parse_args(["--numerics", "official", "--kv-cache-dtype", "auto,fp8"])
+    assert (args.numerics, args.kv_cache_dtype) == ("official", "auto,fp8")
+    cfg = stack.stack_config("tiny", 2)
+    st = stack.Stack(cfg, "csa", 1, "float32", 0, "none", numerics="official")
+    runs = {}
+    for kv in ("auto", "fp8"):
+        st.kv_cache_dtype = kv
+        assert is_quantized(st.empty_caches(1, 64)[0]) is (kv == "fp8")
+        runs[kv] = stack.time_decode(st, 1, 16, steps=2, repeats=1, seed=0, same_buffers="all")
+        assert runs[kv]["output_finite"]
+    assert runs["fp8"]["floor_bytes"] < runs["auto"]["floor_bytes"]
+
+
 # Through bench/run.py: the stack scenarios are handed to bench/stack.py.
 @background("stack bench", lambda workdir: [
     sys.executable, ROOT / "bench" / "run.py", "--size", "tiny", "--scenarios", "stack_decode,stack_prefill",
