@@ -35,9 +35,12 @@ memory, not time (docs/numerics.md, "FP8 caches").
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from . import numerics
@@ -98,9 +101,26 @@ class QuantizedRows:
         (the scale may come out one power of two lower, with grid values twice as large)."""
         rd = self.rope.shape[-1]
         n = rows.shape[-1] - rd
-        values, scales = numerics.quantize_to_bits(rows[..., :n], self.block, self.grid)
+        quantize = numerics.quantize_to_bits if isinstance(rows, np.ndarray) else _quantize_undifferentiable
+        values, scales = quantize(rows[..., :n], self.block, self.grid)
         return QuantizedRows(values=values, scales=scales, rope=rows[..., n:].astype(self.dtype),
                              block=self.block, grid=self.grid)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _quantize_undifferentiable(x: Array, block: int, grid: str):
+    """`numerics.quantize_to_bits` under JAX, refusing differentiation with a clear error: the
+    gradient through a quantized cache row would not be the straight-through one the layer's
+    official rounding uses (the bf16 cache's gradients), so none is given."""
+    return numerics.quantize_to_bits(x, block, grid)
+
+
+@_quantize_undifferentiable.defjvp
+def _refuse(block, grid, primals, tangents):
+    raise ValueError(
+        "cache: an FP8 cache (kv_cache_dtype='fp8') cannot be differentiated through (its rows are stored "
+        "quantized, with no straight-through gradient); train with the default cache (kv_cache_dtype='auto'), "
+        "which holds the same values")
 
 
 def quantized_zeros(batch: int, rows: int, dim: int, rope_dim: int, dtype, grid: str) -> QuantizedRows:

@@ -176,3 +176,26 @@ def test_gpu_fp8_cache_gives_the_bf16_caches_outputs_bit_for_bit(layer, kernels)
         np.testing.assert_array_equal(out_q.astype(np.float32), out_p.astype(np.float32))
         np.testing.assert_array_equal(picks_q, picks_p)
         _assert_same_rows(cache_q.compressor.entries, cache_p.compressor.entries, "compressor.entries")
+
+
+def test_differentiating_through_an_fp8_cache_is_refused():
+    """Gradients through quantized rows would differ from the bf16 cache's straight-through
+    ones: refused with a ValueError naming the cache (train with the default cache)."""
+    from dsv4_jax.step import attention_step
+
+    cfg = DeepseekV4Config.tiny()
+    attn = helpers.random_layer(cfg, 2, numerics="official", break_mode="none")
+    spec = attn.step_spec()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 24, cfg.hidden_size)), jnp.float32)
+
+    def loss(weights, cache):
+        return jnp.sum(attention_step(weights, cache, x, None, spec)[0] ** 2)
+
+    plain = attn.init_cache(1, 32)
+    grads = jax.grad(loss)(attn.weights(), plain.replace(length=jnp.asarray(plain.length)))
+    assert float(jnp.abs(grads.compressor.kv_proj).sum()) > 0
+    fp8 = attn.init_cache(1, 32, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"cache: an FP8 cache .* cannot be differentiated"):
+        jax.grad(loss)(attn.weights(), fp8.replace(length=jnp.asarray(fp8.length)))
+    out, _ = attn(x, jnp.arange(24, dtype=jnp.int32)[None], fp8)  # inference with it still runs
+    assert np.isfinite(np.asarray(out)).all()
