@@ -36,6 +36,7 @@ from .attention import DeepseekV4Attention
 from .backend import QUERY_BLOCK
 from .cache import AttentionCache, cache_nbytes, init_attention_cache
 from .config import CSA, HCA, LAYER_TYPES, SLIDING, DeepseekV4Config
+from .quantized_cache import is_quantized
 
 # Budget of `prefill` where the device reports no memory (`Device.memory_stats()` is None, e.g.
 # XLA:CPU): a fixed 1 GiB, so that a CPU run takes chunks of a known size rather than guess the
@@ -170,7 +171,7 @@ def chunk_table_markdown(cfg: DeepseekV4Config, layer_types: str | Iterable[str]
 # ---------------------------------------------------------------------------- a chunk's memory
 def prefill_chunk_terms(cfg: DeepseekV4Config, layer_type: str, batch: int, chunk: int, max_seq_len: int,
                         dtype=jnp.bfloat16, *, query_block: int = QUERY_BLOCK, xla_scores: bool = True,
-                        donated: bool = False, residual: bool = False) -> dict[str, int]:
+                        donated: bool = False, residual: bool = False, kv_cache_dtype: str = "auto") -> dict[str, int]:
     """An estimate of the device memory one call of `chunk` tokens holds, in named terms (bytes).
 
     A sum of the step's large temporaries, each counted as a separate buffer (XLA reuses some:
@@ -206,8 +207,11 @@ def prefill_chunk_terms(cfg: DeepseekV4Config, layer_type: str, batch: int, chun
 
     Once per layer:
 
-    * ``cache_copy``: the new cache the step returns, unless the cache is `donated` (then XLA
-      writes it in place).
+    * ``cache_copy``: the new cache the step returns (in its `kv_cache_dtype`), unless the cache
+      is `donated` (then XLA writes it in place);
+    * ``dequantized_rows`` (``kv_cache_dtype="fp8"``): the rows the step reads whole, dequantized
+      into the compute dtype (window, entries, indexer keys: `quantized_cache.read`), counted as
+      the cache's size in that dtype.
 
     Arguments: `layer_type` one of the config's types; `max_seq_len` the cache's (it sets T);
     `xla_scores`: whether the indexer scores by XLA (see above); `residual`: the layer is one of
@@ -250,7 +254,10 @@ def prefill_chunk_terms(cfg: DeepseekV4Config, layer_type: str, batch: int, chun
     terms["attention_block"] = rows * (gathered * d * e + h * attended * (3 * f32 + e))
     if csa:
         terms["indexer_block"] = rows * ((n_i * slots * f32 if xla_scores else 0) + 3 * slots * f32 + 2 * k * i32)
-    terms["cache_copy"] = 0 if donated else cache_bytes(cfg, layer_type, max_seq_len, batch=batch, dtype=dt)
+    size = functools.partial(cache_bytes, cfg, layer_type, max_seq_len, batch=batch, dtype=dt)
+    terms["cache_copy"] = 0 if donated else size(kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype == "fp8":
+        terms["dequantized_rows"] = size()
     return {name: int(value) for name, value in terms.items()}
 
 
@@ -263,12 +270,14 @@ def _layer_types(layer_types) -> tuple[str, ...]:
 
 def prefill_chunk_bytes(cfg: DeepseekV4Config, layer_types: str | Iterable[str], batch: int, chunk: int,
                         max_seq_len: int, dtype=jnp.bfloat16, *, query_block: int = QUERY_BLOCK,
-                        xla_scores: bool = True, donated: bool = False, residual: bool = False) -> int:
+                        xla_scores: bool = True, donated: bool = False, residual: bool = False,
+                        kv_cache_dtype: str = "auto") -> int:
     """The estimated device memory of one chunk (`prefill_chunk_terms` summed). For a stack of
     layers of several types (run one layer at a time), the largest layer type's; `residual`:
     the stack's residual stream is carried along."""
     return max(sum(prefill_chunk_terms(cfg, t, batch, chunk, max_seq_len, dtype, query_block=query_block,
-                                       xla_scores=xla_scores, donated=donated, residual=residual).values())
+                                       xla_scores=xla_scores, donated=donated, residual=residual,
+                                       kv_cache_dtype=kv_cache_dtype).values())
                for t in _layer_types(layer_types))
 
 
@@ -285,7 +294,7 @@ def chunk_multiple(cfg: DeepseekV4Config, layer_types: str | Iterable[str], quer
 def prefill_chunk_size(cfg: DeepseekV4Config, layer_types: str | Iterable[str], batch: int, memory_bytes: int,
                        dtype=jnp.bfloat16, *, max_seq_len: int, query_block: int = QUERY_BLOCK,
                        xla_scores: bool = True, donated: bool = False, residual: bool = False,
-                       at_most: int | None = None) -> int:
+                       at_most: int | None = None, kv_cache_dtype: str = "auto") -> int:
     """The largest prefill chunk (tokens per call) whose estimated memory (`prefill_chunk_bytes`)
     fits `memory_bytes`.
 
@@ -309,7 +318,8 @@ def prefill_chunk_size(cfg: DeepseekV4Config, layer_types: str | Iterable[str], 
 
     def need(chunk: int) -> int:
         return prefill_chunk_bytes(cfg, types, batch, chunk, max_seq_len, dtype, query_block=query_block,
-                                   xla_scores=xla_scores, donated=donated, residual=residual)
+                                   xla_scores=xla_scores, donated=donated, residual=residual,
+                                   kv_cache_dtype=kv_cache_dtype)
 
     if need(whole) <= memory_bytes:
         return whole
@@ -382,7 +392,8 @@ def auto_chunk_size(layers: Sequence, caches: Sequence[AttentionCache], hidden_s
             layers[0].config, [x.layer_type for x in layers], batch, memory_bytes - kept, widest,
             max_seq_len=max(c.max_seq_len for c in caches), query_block=max(x.query_block for x in layers),
             xla_scores=any(indexer_scores_by_xla(x) for x in layers), donated=donated,
-            residual=len(layers) > 1, at_most=total)
+            residual=len(layers) > 1, at_most=total,
+            kv_cache_dtype="fp8" if any(is_quantized(c) for c in caches) else "auto")
     except ValueError as err:
         raise ValueError(f"{err} (of memory_bytes={int(memory_bytes):,}, {kept:,} are kept for the returned "
                          "caches and output)") from None

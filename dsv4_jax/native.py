@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import Any
 
 import jax
@@ -137,9 +138,7 @@ def topk_segments(rows: int, slots: int, top_k: int) -> int:
 
 def _workspace(lead_and_seq: tuple[int, ...], slots: int, top_k: int, segments: int | None):
     """The handlers' workspace output [..., S, 2 * P * K] int32 (W = 0 with one block a row)."""
-    rows = 1
-    for n in lead_and_seq:
-        rows *= n
+    rows = math.prod(lead_and_seq)
     p = topk_segments(rows, slots, top_k) if segments is None else segments
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
         raise ValueError(f"segments: expected None or an int >= 1, got {segments!r}")

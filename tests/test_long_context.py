@@ -269,6 +269,39 @@ def test_cache_bytes_per_token_from_the_real_leaves():
         CFG, CSA, MAX_LEN, batch=BATCH, dtype=jnp.float32)
 
 
+def dequantized(cache):
+    """The cache with its FP8 rows read back (`quantized_cache.read`): float arrays to compare."""
+    from dsv4_jax.quantized_cache import read
+
+    def comp(c):
+        return None if c is None else c.replace(entries=read(c.entries))
+
+    return cache.replace(window=read(cache.window), compressor=comp(cache.compressor), indexer=comp(cache.indexer))
+
+
+def test_fp8_caches_bytes_and_chunked_prefill():
+    """FP8 caches (`quantized_cache`): a V4-Flash main KV row of 448 + 7 scale bytes + 64 bf16
+    RoPE values, an indexer key of 128 + 4; the chunk estimate counts the FP8 copy and the rows
+    dequantized for reading; a prompt by chunks into FP8 caches equals one call, bit for bit."""
+    flash = DeepseekV4Config.flash()
+    assert long_context.cache_bytes_per_token(flash, CSA, kv_cache_dtype="fp8") == (583 + 132) / 4
+    assert long_context.cache_bytes_per_token(flash, HCA, kv_cache_dtype="fp8") == 583 / 128
+    terms = long_context.prefill_chunk_terms(flash, CSA, 1, 4096, 1 << 20, kv_cache_dtype="fp8")
+    assert terms["cache_copy"] == long_context.cache_bytes(flash, CSA, 1 << 20, kv_cache_dtype="fp8")
+    assert terms["dequantized_rows"] == long_context.cache_bytes(flash, CSA, 1 << 20)
+    attn = random_layer(CFG, LAYERS["csa"], query_block=QUERY_BLOCK, numerics="official")
+    x = prompt()
+    positions = jnp.asarray(np.broadcast_to(np.arange(N, dtype=np.int32), (BATCH, N)))
+    one, one_cache = attn(jnp.asarray(x), positions, attn.init_cache(BATCH, MAX_LEN, kv_cache_dtype="fp8"))
+    plain_out, _ = attn(jnp.asarray(x), positions, attn.init_cache(BATCH, MAX_LEN))
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(plain_out))  # lossless
+    for chunk in (8, None):  # None: the chunk from the memory estimate
+        out, cache = long_context.prefill(attn, x, attn.init_cache(BATCH, MAX_LEN, kv_cache_dtype="fp8"),
+                                          chunk_size=chunk)
+        assert_outputs_close(out, one)
+        assert_caches_close(dequantized(cache), dequantized(one_cache))
+
+
 def test_the_documented_figures_are_computed():
     """The tables of docs/long_context.md are what the functions compute (regenerate with
     ``python -m dsv4_jax.long_context``)."""
