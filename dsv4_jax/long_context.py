@@ -499,15 +499,17 @@ def prefill(layers, hidden_states, caches, *, chunk_size: int | None = None, mem
 
 def readme_tables() -> list[str]:
     """The tables of docs/long_context.md, computed: the caches of V4-Flash and V4-Pro at
-    1,048,576 tokens (bf16, one sequence), and `prefill_chunk_size` for a V4-Flash stack of CSA
-    and HCA layers (bf16, B = 1, a 1,048,576-token cache, the caches donated, the native indexer
-    as on a GPU where it is built) within 16, 40 and 100 GiB. `python -m dsv4_jax.long_context`
+    1,048,576 tokens (bf16, one sequence), V4-Flash's FP8 caches (``kv_cache_dtype="fp8"``),
+    and `prefill_chunk_size` for a V4-Flash stack of CSA and HCA layers (bf16, B = 1, a
+    1,048,576-token cache, the caches donated, the native indexer as on a GPU where it is
+    built) within 16, 40 and 100 GiB. `python -m dsv4_jax.long_context`
     prints them; `tests/test_long_context.py` checks docs/long_context.md holds them."""
     context = 1 << 20
     flash = DeepseekV4Config.flash()
     return [
         cache_table_markdown(flash, context),
         cache_table_markdown(DeepseekV4Config.pro(), context),
+        cache_table_markdown(flash, context, kv_cache_dtype="fp8"),
         chunk_table_markdown(flash, [CSA, HCA], [16 << 30, 40 << 30, 100 << 30], max_seq_len=context,
                              xla_scores=False, donated=True, residual=True),
     ]
