@@ -4,7 +4,8 @@
 #
 #   gates     the GPU-only tests: every Pallas kernel (forward and backward) against its XLA
 #             reference at V4-Flash sizes, the gradients with the Triton kernels against the CPU's
-#             (GATES_K: pytest -k), then the golden replays and the break modes' agreement (GOLDEN=0: not)
+#             (GATES_K: pytest -k), then the golden replays (the official recording's too), the break
+#             modes' agreement and the FP8 caches' bit-exactness (GOLDEN=0: not)
 #   train     bench/train.py --size flash $TRAIN_ARGS -> $OUT/train$TRAIN_TAG.json
 #   stack     bench/stack.py --size flash $STACK_ARGS -> $OUT/stack$STACK_TAG.json
 #   run       bench/run.py --size flash $RUN_ARGS -> $OUT/run$RUN_TAG.json
@@ -39,7 +40,8 @@ gates() {
   grep -E "bf16|passed|failed|FAILED|Error" "$OUT/gpu_gates.log" | tail -40
   if [ "${GOLDEN:-1}" = 1 ]; then
     timeout "${GOLDEN_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
-      tests/test_numerics.py -k "(golden and none) or agree_on_csa or official_golden" >"$OUT/gpu_golden.log" 2>&1
+      tests/test_numerics.py tests/test_quantized_cache.py -k "(golden and none) or agree_on_csa or official_golden or gpu_fp8" \
+      >"$OUT/gpu_golden.log" 2>&1
     echo "golden replays + mode agreement rc=$?"
     grep -E "passed|failed|FAILED|Error" "$OUT/gpu_golden.log" | tail -8
   fi
