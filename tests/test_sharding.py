@@ -404,3 +404,25 @@ def test_bad_meshes_and_batches():
     with pytest.raises(ValueError, match=r"hidden_states: expected a batch size divisible by the mesh's 'data' "
                                          r"axis \(4\), got 6"):
         attn(x, pos, cache)
+
+
+@needs_8
+@pytest.mark.parametrize("layer_type", [CSA, HCA])
+def test_fp8_caches_on_a_mesh(layer_type):
+    """FP8 caches (`dsv4_jax.quantized_cache`) batch-sharded like every cache leaf: a prefill and
+    a decode step on the (4, 2) mesh give the bf16 cache's outputs, bit for bit, and every
+    stored (non-empty) array of the new cache stays split over "data"."""
+    mesh = _mesh("data_model")
+    x, pos = _inputs()
+    step_x, step_pos = jnp.asarray(x[:, :1]), jnp.full((BATCH, 1), N, jnp.int32)
+    outs = {}
+    for kind in ("auto", "fp8"):
+        attn = sharding.shard_layer(random_layer(TINY, LAYER[layer_type], seed=7, numerics="official"), mesh)
+        out, cache = attn(jnp.asarray(x), jnp.asarray(pos), attn.init_cache(BATCH, MAX_LEN, kv_cache_dtype=kind))
+        out2, cache = attn(step_x, step_pos, cache)
+        outs[kind] = (np.asarray(out), np.asarray(out2))
+    for a, b in zip(outs["auto"], outs["fp8"]):
+        np.testing.assert_array_equal(b, a)
+    for leaf in jax.tree.leaves(cache.replace(length=None)):
+        # (the indexer keys' RoPE part is empty, [B, N, 0]: XLA gives it no sharding to keep)
+        assert leaf.size == 0 or _placed(leaf, mesh, "data"), leaf.sharding
