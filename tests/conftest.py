@@ -15,6 +15,9 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
 ):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+import gc
+
+import jax
 import pytest
 from helpers import GOLDEN_FILES, JOBS, Golden, load_golden
 
@@ -32,6 +35,18 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     JOBS.stop()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_compiled_programs():
+    """After each test file, drop JAX's compiled programs. Each XLA:CPU executable holds a few
+    memory mappings of its JIT-compiled code; the whole suite in one process compiled enough of
+    them to pass Linux's limit of 65,530 mappings a process (`vm.max_map_count`), and XLA then
+    crashed with a segmentation fault in a compile (2026-12-03, in test_ragged at about 73% of
+    the suite). What a test file compiled is not reused by the next one anyway."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session", params=GOLDEN_FILES)
