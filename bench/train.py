@@ -59,7 +59,6 @@ from bench import plan as plan_mod  # noqa: E402
 from bench import run as run_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import step as step_mod  # noqa: E402
-from dsv4_jax.kernel_plan import BACKWARD_CHOICES  # noqa: E402
 
 REMAT = ("none", "layer")
 
@@ -335,9 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--remat", default="none", choices=REMAT, help="layer: jax.checkpoint around each layer")
     ap.add_argument("--break-mode", default="narrow", help="the layers' break_mode (default narrow)")
     ap.add_argument("--kernels", default="auto", choices=dsv4_jax.KERNELS, help="the layers' kernels (default auto)")
-    ap.add_argument("--attention-backward", default=None, choices=BACKWARD_CHOICES,
-                    help="the sparse attention kernel's gradient: its backward kernels (auto: window keys and HCA "
-                         "entries by key; atomics: every key by atomic adds) or the XLA VJP")
+    ap.add_argument("--attention-backward", default=None, choices=("auto", "xla"),
+                    help="the sparse attention kernel's gradient: its backward kernel (auto) or the XLA VJP")
     for flag in ("decode-kernel", "prefill-kernel", "compress-kernel"):  # bench/stack.py's A/B switches
         ap.add_argument(f"--{flag}", action="store_true", help=f"as bench/stack.py --{flag}")
         ap.add_argument(f"--no-{flag}", action="store_true", help=f"as bench/stack.py --no-{flag}")

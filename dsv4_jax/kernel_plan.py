@@ -53,7 +53,6 @@ KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress")
-BACKWARD_CHOICES = ("auto", "atomics", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +63,10 @@ class KernelPlan:
     decode_attention:  "auto" | "pallas" | "interpret" | "xla"  sparse attention, one query a row
     prefill_attention: the same, for calls of several queries a row
     compress:          the same, for the compressors' decode pooling
-    attention_backward: "auto" | "atomics" | "xla"  the gradient of the sparse attention kernel
-                       where it runs: "auto" its backward kernels (`sparse_attention_backward`,
-                       where the Triton kernel takes the shapes; interpret mode where the forward
-                       is): the window keys' and HCA entries' gradients of a prefill summed by
-                       key; "atomics" every key gradient added by query with atomic adds (the
-                       kernel of session 35, for A/B runs); "xla" the XLA reference's VJP
+    attention_backward: "auto" | "xla"  the gradient of the sparse attention kernel where it runs:
+                       "auto" its backward kernel (`sparse_attention_backward`, where the Triton
+                       kernel takes the shapes; interpret mode where the forward is), "xla" the
+                       XLA reference's VJP
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
@@ -92,7 +89,7 @@ class KernelPlan:
         check_choice("kernels.select", self.select, SELECT_CHOICES)
         for stage in PALLAS_STAGES:
             check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
-        check_choice("kernels.attention_backward", self.attention_backward, BACKWARD_CHOICES)
+        check_choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
         for name in ("decode_blocks", "prefill_blocks"):
             blocks = getattr(self, name)
             if blocks is None:

@@ -96,7 +96,6 @@ def sparse_attention(
     precision=None,
     with_mass: bool = False,
     window_in_place: bool = False,
-    queries_in_order: bool = False,
     kernels: KernelPlan = AUTO,
 ) -> AttentionOutput:
     """Attention of each query over its window keys and its compressed entries, with sinks.
@@ -114,11 +113,6 @@ def sparse_attention(
                float32 [B, S, H]; None otherwise)
     window_in_place: `window_idx[b, s, j]` is j or -1 (`key_pool`'s decode pool, S = 1): the
                XLA path reads the pool as the window keys, masked, instead of gathering a copy
-    queries_in_order: each row's queries are at consecutive ascending positions, padding (-1)
-               after, and `window_idx` is `window_indices` of them (the layer's calls): every
-               window key and HCA entry is read by one run of consecutive queries, which lets the
-               backward kernel sum their gradients by key (`sparse_attention_backward`). Only
-               the gradient's path depends on it (a false claim gives wrong gradients)
     kernels:   the step's `KernelPlan` (its ``decode_attention`` / ``prefill_attention``):
                without attention masses, `sparse_attention_kernel` may run instead of the XLA
                path; its gradient is `sparse_attention_backward`'s kernel or the XLA path's VJP
@@ -135,8 +129,7 @@ def sparse_attention(
 
         chosen = _kernel_blocks(q, entries, picks, kernels)
         if chosen is not None:
-            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward,
-                                queries_in_order=queries_in_order)
+            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward)
             return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible))
     return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
 
@@ -169,13 +162,11 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
     return blocks, False
 
 
-def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, queries_in_order: bool = False):
+def _by_kernel(reference, blocks: dict, interpret: bool, backward: str):
     """``f(q, pool, window_idx, sinks, entries, picks, visible) -> o`` by the kernel, with a
-    gradient: the backward kernels (`sparse_attention_backward`; ``backward="auto"``: the window
-    keys' and HCA entries' gradients by key where `queries_in_order`, "atomics": every key
-    gradient by atomic adds; where the Triton kernel takes the shapes) or `reference`'s VJP. Not
-    in interpret mode: the kernels on CUDA, `reference` (and its VJP) on any other platform the
-    program is lowered for."""
+    gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where the
+    Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels on
+    CUDA, `reference` (and its VJP) on any other platform the program is lowered for."""
 
     def on_platform(kernel, default):
         if interpret:
@@ -192,7 +183,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, queries_
                       block_heads=sparse_attention_backward.BLOCK_HEADS)
 
     def uses_backward_kernel(q):
-        return backward != "xla" and (interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks))
+        return backward == "auto" and (interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks))
 
     @jax.custom_vjp
     def call(*args):
@@ -216,7 +207,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, queries_
         def kernel_grads(q, pool, window_idx, sinks, entries, picks, visible, o, lse, do):
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
-                interpret=interpret, queries_in_order=queries_in_order and backward == "auto", **bwd_blocks)
+                interpret=interpret, **bwd_blocks)
 
         def reference_grads(q, pool, window_idx, sinks, entries, picks, visible, o, lse, do):
             dq, dpool, _, dsinks, dentries, _, _ = reference_vjp(reference, (q, pool, window_idx, sinks, entries,

@@ -411,7 +411,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         pool, window_idx, in_place = key_pool(read(cache.window), read(stages.window), stages.kv, positions, length,
                                               cfg.sliding_window)
         attended = sparse_attention(
-            stages.q, pool, window_idx, weights.sinks, window_in_place=in_place, queries_in_order=True,
+            stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
             entries=entries, picks=picks, visible=visible if spec.layer_type == HCA else None,
             block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
             kernels=spec.plan.kernels,
