@@ -40,9 +40,6 @@ from bench import measure  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import run as run_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
-from dsv4_jax.config import CSA, HCA  # noqa: E402
-
-LAYER_TYPES = {"csa": CSA, "hca": HCA}
 
 
 def replaced_share(reference: np.ndarray, official: np.ndarray) -> np.ndarray:
@@ -95,8 +92,8 @@ def run(args, write=None) -> tuple[list[dict], dict]:
             "argv": sys.argv[1:], "seed": args.seed}
     records = []
     for kind in args.layers.split(","):
-        layer_type = LAYER_TYPES[kind]
         layer_idx = stack_mod.stack_layer_indices(cfg, kind, 1)[0]
+        layer_type = cfg.layer_types[layer_idx]
         attn = measure.build_layer(cfg, layer_idx, dtype, args.seed + layer_idx)
         attn.donate_cache = False
         for length in (int(n) for n in args.lengths.split(",")):
@@ -130,7 +127,7 @@ def line(rec: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="small", choices=("tiny", "small", "flash"))
-    ap.add_argument("--layers", default="csa,hca", help="layer types, of csa,hca")
+    ap.add_argument("--layers", default="csa,hca", help="layer types, of csa,hca (bench/stack.py's stacks)")
     ap.add_argument("--lengths", default="2048,8192", help="prompt lengths (default 2048,8192)")
     ap.add_argument("--dtype", default=None, help="parameters and activations (default bfloat16 on GPU, else float32)")
     ap.add_argument("--seed", type=int, default=0)
