@@ -15,6 +15,14 @@
 // The top-k-only entry point takes scores [..., S, T] float32 and visible [..., S] and gives
 // the picks, with the same ordering rule (scores at t >= visible are ignored).
 //
+// The selection over an FP8 cache's indexer keys (dsv4_jax.quantized_cache, grid "fp4") takes
+// the keys in their stored form instead of keys [..., T, c]:
+//   key_codes  [..., T, c / 2]       uint8: e2m1 codes two a byte, channel 2i in the low nibble
+//   key_scales [..., T, ceil(c / 32)] uint8: UE8M0 exponent bytes, one a block of 32 channels
+//                                    (2 ** (byte - 127); byte 0 is a zero scale)
+// A key channel is e2m1(code) * scale, computed in float32: exact, and exactly the value the
+// bf16 (or float32) cache holds, so the scores and picks equal those of the dequantized keys.
+//
 // Both targets have a last output, workspace [..., S, W] int32, for the CUDA top-k: W = 0 (one
 // block a row) or 2 * P * K, P > 1 segments a row, each taken by its own block (their K best
 // pairs are merged after). The caller chooses P (dsv4_jax.native.topk_segments); the CPU
@@ -46,6 +54,25 @@ inline uint64_t CompositeKey(uint32_t score_key, uint32_t index) {
 inline int32_t IndexOfComposite(uint64_t composite) {
   return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(composite & 0xFFFFFFFFu));
 }
+
+#ifdef __CUDACC__
+#define DSV4_HOST_DEVICE __host__ __device__
+#else
+#define DSV4_HOST_DEVICE
+#endif
+
+constexpr int kFp4Block = 32;  // channels a key scale byte covers
+
+// float32 bits of an e2m1 code's value (bit 3 sign, bits 2-1 exponent with bias 1, bit 0
+// mantissa): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code 8 is -0.0).
+DSV4_HOST_DEVICE inline uint32_t Fp4ValueBits(uint32_t code) {
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const uint32_t magnitude = e == 0 ? (m ? 0x3F000000u : 0u) : (((126u + e) << 23) | (m << 22));
+  return magnitude | ((code & 8u) << 28);
+}
+
+// float32 bits of a UE8M0 scale byte: 2 ** (byte - 127); 0 gives +0.0 (an empty cache row).
+DSV4_HOST_DEVICE inline uint32_t Fp4ScaleBits(uint32_t byte) { return byte << 23; }
 
 }  // namespace dsv4
 
@@ -136,6 +163,32 @@ inline xla::ffi::Error ParseWorkspace(xla::ffi::Span<const int64_t> workspace, c
                                   std::to_string(d.top_k) + "] for " + std::to_string(d.rows * d.seq) + " query rows");
   }
   if (width != 0) *segments = width / (2 * d.top_k);
+  return Error::Success();
+}
+
+// The packed keys' operands of the FP4 targets: codes [..., T, c / 2] and scales
+// [..., T, ceil(c / 32)]. `keys` gets the dims of the keys they stand for, [..., T, c].
+inline xla::ffi::Error ParseFp4Keys(xla::ffi::Span<const int64_t> codes, xla::ffi::Span<const int64_t> scales,
+                                    std::vector<int64_t>* keys) {
+  using xla::ffi::Error;
+  if (codes.size() < 2 || scales.size() != codes.size()) {
+    return Error::InvalidArgument("dsv4 select_topk: key codes " + DimsToString(codes) + " and key scales " +
+                                  DimsToString(scales) + " must be [..., T, c / 2] and [..., T, ceil(c / 32)]");
+  }
+  keys->assign(codes.begin(), codes.end());
+  keys->back() *= 2;
+  const int64_t expected = (keys->back() + kFp4Block - 1) / kFp4Block;
+  for (size_t i = 0; i + 1 < codes.size(); ++i) {
+    if (codes[i] != scales[i]) {
+      return Error::InvalidArgument("dsv4 select_topk: key codes " + DimsToString(codes) + " and key scales " +
+                                    DimsToString(scales) + " differ in their leading dims");
+    }
+  }
+  if (scales.back() != expected) {
+    return Error::InvalidArgument("dsv4 select_topk: key scales " + DimsToString(scales) + " must have " +
+                                  std::to_string(expected) + " bytes a key for " + std::to_string(keys->back()) +
+                                  " channels");
+  }
   return Error::Success();
 }
 

@@ -1,4 +1,5 @@
-// CPU handlers of the indexer's selection (contract in select_topk.h), and the Python module
+// CPU handlers of the indexer's selection (contract in select_topk.h; dense keys or an FP8
+// cache's packed FP4 keys), and the Python module
 // `dsv4_jax._native_cpu` that hands their XLA FFI capsules to dsv4_jax/native.py.
 //
 // On the CPU there are no command buffers, so the "eager" and "graph" targets are one handler.
@@ -44,15 +45,45 @@ inline int64_t VisibleCount(int32_t visible, int64_t slots) {
   return std::min<int64_t>(std::max<int32_t>(visible, 0), slots);
 }
 
+inline float BitsToFloat(uint32_t bits) {
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Key rows as float32: dense keys [rows, slots, dim] of the queries' dtype...
 template <typename In>
-void Select(const In* queries, const float* weights, const In* keys, const int32_t* visible, int32_t* picks,
+struct DenseKeys {
+  const In* keys;
+  void operator()(const SelectDims& d, int64_t b, int64_t t, float* out) const {
+    const In* row = keys + (b * d.slots + t) * d.dim;
+    for (int64_t i = 0; i < d.dim; ++i) out[i] = LoadF32(row, i);
+  }
+};
+
+// ...or an FP8 cache's packed FP4 keys (select_topk.h): code value times the block's scale.
+struct Fp4Keys {
+  const uint8_t* codes;   // [rows, slots, dim / 2]
+  const uint8_t* scales;  // [rows, slots, ceil(dim / 32)]
+  void operator()(const SelectDims& d, int64_t b, int64_t t, float* out) const {
+    const int64_t key = b * d.slots + t;
+    const uint8_t* c = codes + key * (d.dim / 2);
+    const uint8_t* s = scales + key * ((d.dim + kFp4Block - 1) / kFp4Block);
+    for (int64_t i = 0; i < d.dim; ++i) {
+      const uint32_t code = (c[i / 2] >> (4 * (i & 1))) & 0xFu;
+      out[i] = BitsToFloat(Fp4ValueBits(code)) * BitsToFloat(Fp4ScaleBits(s[i / kFp4Block]));
+    }
+  }
+};
+
+template <typename In, typename Keys>
+void Select(const In* queries, const float* weights, const Keys& key_row, const int32_t* visible, int32_t* picks,
             float* scores, const SelectDims& d) {
   const float scale = static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));  // c^-1/2 as float32
   std::vector<float> q(static_cast<size_t>(d.heads * d.dim));
   std::vector<float> k(static_cast<size_t>(d.dim));
   std::vector<uint64_t> buf;
   for (int64_t b = 0; b < d.rows; ++b) {
-    const In* keys_b = keys + b * d.slots * d.dim;
     for (int64_t s = 0; s < d.seq; ++s) {
       const int64_t row = b * d.seq + s;
       const In* q_row = queries + row * d.heads * d.dim;
@@ -61,7 +92,7 @@ void Select(const In* queries, const float* weights, const In* keys, const int32
       for (int64_t i = 0; i < d.heads * d.dim; ++i) q[i] = LoadF32(q_row, i);
       const int64_t n = VisibleCount(visible[row], d.slots);
       for (int64_t t = 0; t < n; ++t) {
-        for (int64_t i = 0; i < d.dim; ++i) k[i] = LoadF32(keys_b, t * d.dim + i);
+        key_row(d, b, t, k.data());
         const float* kt = k.data();
         float total = 0.0f;
         for (int64_t h = 0; h < d.heads; ++h) {
@@ -96,16 +127,45 @@ ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
   switch (queries.element_type()) {
     case ffi::DataType::F32:
       Select(static_cast<const float*>(queries.untyped_data()), weights.typed_data(),
-             static_cast<const float*>(keys.untyped_data()), visible.typed_data(), picks->typed_data(),
-             scores->typed_data(), d);
+             DenseKeys<float>{static_cast<const float*>(keys.untyped_data())}, visible.typed_data(),
+             picks->typed_data(), scores->typed_data(), d);
       return ffi::Error::Success();
     case ffi::DataType::BF16:
       Select(static_cast<const uint16_t*>(queries.untyped_data()), weights.typed_data(),
-             static_cast<const uint16_t*>(keys.untyped_data()), visible.typed_data(), picks->typed_data(),
-             scores->typed_data(), d);
+             DenseKeys<uint16_t>{static_cast<const uint16_t*>(keys.untyped_data())}, visible.typed_data(),
+             picks->typed_data(), scores->typed_data(), d);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("dsv4 select_topk: queries/keys must be float32 or bfloat16");
+  }
+}
+
+// The selection over packed FP4 keys (select_topk.h): the same scores as over the keys they
+// stand for, dequantized.
+ffi::Error SelectTopkFp4Impl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::U8> codes,
+                             ffi::Buffer<ffi::U8> key_scales, ffi::Buffer<ffi::S32> visible,
+                             ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                             ffi::Result<ffi::AnyBuffer> /*workspace*/) {
+  std::vector<int64_t> key_dims;
+  if (ffi::Error e = ParseFp4Keys(codes.dimensions(), key_scales.dimensions(), &key_dims); e.failure()) return e;
+  SelectDims d;
+  if (ffi::Error e = ParseDims(&queries, weights.dimensions(), key_dims, visible.dimensions(), picks->dimensions(),
+                               scores->dimensions(), &d);
+      e.failure()) {
+    return e;
+  }
+  const Fp4Keys keys{codes.typed_data(), key_scales.typed_data()};
+  switch (queries.element_type()) {
+    case ffi::DataType::F32:
+      Select(static_cast<const float*>(queries.untyped_data()), weights.typed_data(), keys, visible.typed_data(),
+             picks->typed_data(), scores->typed_data(), d);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      Select(static_cast<const uint16_t*>(queries.untyped_data()), weights.typed_data(), keys, visible.typed_data(),
+             picks->typed_data(), scores->typed_data(), d);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("dsv4 select_topk: queries must be float32 or bfloat16");
   }
 }
 
@@ -138,6 +198,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkCpu, dsv4::SelectTopkImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>());  // the CUDA top-k's workspace: unused
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4Cpu, dsv4::SelectTopkFp4Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCpu, dsv4::TopkImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -153,6 +224,8 @@ PyObject* Registrations(PyObject*, PyObject*) {
   static const dsv4::Target targets[] = {
       {"dsv4_select_topk", reinterpret_cast<void*>(&Dsv4SelectTopkCpu)},
       {"dsv4_select_topk_graph", reinterpret_cast<void*>(&Dsv4SelectTopkCpu)},
+      {"dsv4_select_topk_fp4", reinterpret_cast<void*>(&Dsv4SelectTopkFp4Cpu)},
+      {"dsv4_select_topk_fp4_graph", reinterpret_cast<void*>(&Dsv4SelectTopkFp4Cpu)},
       {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCpu)},
       {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCpu)},
   };

@@ -8,6 +8,8 @@
 //   ScoreKernelMma  the same scores for bfloat16 inputs with 16, 32 or 64 heads and dim a
 //                   multiple of 16: a tensor-core GEMM (mma.sync) over cp.async-pipelined key
 //                   tiles, the relu / weight / head sum in the epilogue (see the kernel).
+//                   Both scoring kernels also read an FP8 cache's packed FP4 keys (the _fp4
+//                   targets: codes and scale bytes, dequantized to bf16 where they are loaded).
 //   TopkKernel      one block per query row (its keys staged in shared memory up to 32k slots),
 //                   or, for a few long rows, one block per segment of a row and a second launch
 //                   that merges the segments' K best (the workspace output holds them):
@@ -28,6 +30,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "python_module.h"
@@ -79,11 +82,48 @@ __device__ __forceinline__ int64_t VisibleCount(int32_t visible, int64_t slots) 
   return min(static_cast<int64_t>(max(visible, 0)), slots);
 }
 
+// How the scoring kernels read key channels as float32: dense keys [rows, slots, dim] of the
+// queries' dtype, or an FP8 cache's packed FP4 keys (select_topk.h: codes two a byte and a
+// UE8M0 scale byte a block of 32 channels; the product is exact, the bf16 cache's value).
+template <typename In>
+struct DenseKeys {
+  const In* keys;
+  int64_t slots;
+  int dim;
+  __device__ __forceinline__ float At(int64_t b, int64_t t, int i) const { return ToF32(keys[(b * slots + t) * dim + i]); }
+  __device__ __forceinline__ void Load8(int64_t b, int64_t t, int i0, float* out) const {
+    dsv4::Load8(keys + (b * slots + t) * dim + i0, out);
+  }
+};
+
+struct Fp4Keys {
+  const uint8_t* codes;   // [rows, slots, dim / 2]
+  const uint8_t* scales;  // [rows, slots, ceil(dim / 32)]
+  int64_t slots;
+  int dim;
+  __device__ __forceinline__ float Scale(int64_t key, int i) const {
+    return __uint_as_float(Fp4ScaleBits(scales[key * ((dim + kFp4Block - 1) / kFp4Block) + i / kFp4Block]));
+  }
+  __device__ __forceinline__ float At(int64_t b, int64_t t, int i) const {
+    const int64_t key = b * slots + t;
+    const uint32_t code = (codes[key * (dim / 2) + i / 2] >> (4 * (i & 1))) & 0xFu;
+    return __uint_as_float(Fp4ValueBits(code)) * Scale(key, i);
+  }
+  // i0 % 8 == 0 and dim % 8 == 0: one aligned 4-byte load, one scale.
+  __device__ __forceinline__ void Load8(int64_t b, int64_t t, int i0, float* out) const {
+    const int64_t key = b * slots + t;
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(codes + key * (dim / 2) + i0 / 2);
+    const float scale = Scale(key, i0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = __uint_as_float(Fp4ValueBits((word >> (4 * j)) & 0xFu)) * scale;
+  }
+};
+
 // grid (rows * seq, ceil(slots / kScoreThreads)), block kScoreThreads, shared (heads*dim + heads) floats.
 // kHeads > 0: heads == kHeads and dim % 8 == 0 (register-tiled); kHeads == 0: any sizes.
-template <typename In, int kHeads>
+template <typename In, typename Keys, int kHeads>
 __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restrict__ weights,
-                            const In* __restrict__ keys, const int32_t* __restrict__ visible,
+                            const Keys keys, const int32_t* __restrict__ visible,
                             float* __restrict__ scores, int64_t seq, int heads, int dim, int64_t slots,
                             float scale) {
   extern __shared__ float smem[];
@@ -109,7 +149,6 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
     out[t] = -INFINITY;
     return;
   }
-  const In* k = keys + (b * slots + t) * dim;
   float total = 0.0f;
   if constexpr (kHeads > 0) {
     float acc[kHeads];
@@ -117,7 +156,7 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
     for (int h = 0; h < kHeads; ++h) acc[h] = 0.0f;
     for (int i0 = 0; i0 < dim; i0 += 8) {
       float kv[8];
-      Load8(k + i0, kv);
+      keys.Load8(b, t, i0, kv);
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) {
         const float4 qa = *reinterpret_cast<const float4*>(q + h * dim + i0);
@@ -133,7 +172,7 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
   } else {
     for (int h = 0; h < heads; ++h) {
       float dot = 0.0f;
-      for (int i = 0; i < dim; ++i) dot = fmaf(q[h * dim + i], ToF32(k[i]), dot);
+      for (int i = 0; i < dim; ++i) dot = fmaf(q[h * dim + i], keys.At(b, t, i), dot);
       total += __fmul_rn(__fmul_rn(fmaxf(dot, 0.0f), scale), w[h]);
     }
   }
@@ -189,12 +228,33 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int kHeads>
+// FP4 keys (Fp4Keys) are not copied with cp.async: a tile's codes (8 bytes = 16 channels a
+// load) and scale bytes are loaded into registers before the previous tile is scored, and
+// dequantized into the bf16 shared rows after it (kFp4Loads loads a thread, dim <= kFp4MaxDim).
+constexpr int kFp4MaxDim = 128;  // V4's index_head_dim; wider keys take the FMA kernel
+constexpr int kFp4Loads = kMmaEntries * (kFp4MaxDim / 16) / (kMmaWarps * 32);
+
+// Sixteen FP4 channels (8 code bytes) times their scale as bf16 into 32 bytes of shared memory.
+__device__ __forceinline__ void StoreFp4AsBf16(__nv_bfloat16* dst, uint2 codes, float scale) {
+  uint32_t packed[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t byte = ((j < 4 ? codes.x : codes.y) >> (8 * (j & 3))) & 0xFFu;
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(__uint_as_float(Fp4ValueBits(byte & 0xFu)) * scale,
+                                                      __uint_as_float(Fp4ValueBits(byte >> 4)) * scale);
+    packed[j] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  reinterpret_cast<uint4*>(dst)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  reinterpret_cast<uint4*>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+template <int kHeads, typename Keys>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     ScoreKernelMma(const __nv_bfloat16* __restrict__ queries, const float* __restrict__ weights,
-                   const __nv_bfloat16* __restrict__ keys, const int32_t* __restrict__ visible,
+                   const Keys keys, const int32_t* __restrict__ visible,
                    float* __restrict__ scores, int64_t seq, int dim, int64_t slots, float scale, int tiles) {
   static_assert(kHeads % 16 == 0, "heads come in pairs of 8-wide MMA tiles");
+  constexpr bool kFp4 = std::is_same_v<Keys, Fp4Keys>;
   constexpr int kHeadTiles = kHeads / 8;
   extern __shared__ __align__(128) unsigned char mma_smem[];
   const int ld = dim + kMmaPad;
@@ -222,17 +282,55 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     const int h = v / chunks, c = v % chunks;
     CpAsync16(q_s + h * ld + 8 * c, q_row + h * dim + 8 * c, true);
   }
-  auto load_tile = [&](int i) {
-    const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
-    __nv_bfloat16* dst = k_s + (i & 1) * kMmaEntries * ld;
-    for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
-      const int e = v / chunks, c = v % chunks;
-      const bool valid = t0 + e < slots;
-      CpAsync16(dst + e * ld + 8 * c, keys + (b * slots + (valid ? t0 + e : 0)) * dim + 8 * c, valid);
+  auto load_tile = [&](int i) {  // dense bf16 keys: cp.async into buffer i & 1
+    if constexpr (!kFp4) {
+      const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
+      __nv_bfloat16* dst = k_s + (i & 1) * kMmaEntries * ld;
+      for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
+        const int e = v / chunks, c = v % chunks;
+        const bool valid = t0 + e < slots;
+        CpAsync16(dst + e * ld + 8 * c, keys.keys + (b * slots + (valid ? t0 + e : 0)) * dim + 8 * c, valid);
+      }
     }
   };
-  load_tile(0);
-  CpAsyncCommit();  // group 0: the queries and the first tile
+  // FP4 keys: tile i's codes and scales into registers (fetch), then as bf16 into buffer i & 1
+  // (store); entries past `slots` are zeros, as cp.async fills them.
+  const int units = dim / 16;  // 16-channel loads a key
+  uint2 fp4_codes[kFp4Loads];
+  uint32_t fp4_scales[kFp4Loads];
+  auto fetch_fp4 = [&](int i) {
+    if constexpr (kFp4) {
+      const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
+#pragma unroll
+      for (int j = 0; j < kFp4Loads; ++j) {
+        const int v = tid + j * kMmaWarps * 32, e = v / units, u = v % units;
+        const bool valid = v < kMmaEntries * units && t0 + e < slots;
+        const int64_t key = b * slots + t0 + e;
+        fp4_codes[j] = valid ? *reinterpret_cast<const uint2*>(keys.codes + key * (dim / 2) + 8 * u) : make_uint2(0, 0);
+        fp4_scales[j] = valid ? keys.scales[key * ((dim + kFp4Block - 1) / kFp4Block) + (16 * u) / kFp4Block] : 0u;
+      }
+    }
+  };
+  auto store_fp4 = [&](int i) {
+    if constexpr (kFp4) {
+      __nv_bfloat16* dst = k_s + (i & 1) * kMmaEntries * ld;
+#pragma unroll
+      for (int j = 0; j < kFp4Loads; ++j) {
+        const int v = tid + j * kMmaWarps * 32, e = v / units, u = v % units;
+        if (v < kMmaEntries * units) StoreFp4AsBf16(dst + e * ld + 16 * u, fp4_codes[j], __uint_as_float(Fp4ScaleBits(fp4_scales[j])));
+      }
+    }
+  };
+  if constexpr (kFp4) {
+    CpAsyncCommit();  // group 0: the queries
+    fetch_fp4(0);
+    store_fp4(0);
+    CpAsyncWait<0>();
+    __syncthreads();
+  } else {
+    load_tile(0);
+    CpAsyncCommit();  // group 0: the queries and the first tile
+  }
 
   // This lane's accumulator columns are heads 8 n + 2 (lane % 4) + {0, 1}.
   float w[kHeadTiles][2];
@@ -243,14 +341,18 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 
   for (int i = 0; i < n_tiles; ++i) {
-    if (i + 1 < n_tiles) {
-      load_tile(i + 1);  // into the buffer tile i - 1 used: released by the barrier ending it
-      CpAsyncCommit();
-      CpAsyncWait<1>();
+    if constexpr (kFp4) {
+      if (i + 1 < n_tiles) fetch_fp4(i + 1);  // in flight while tile i is scored
     } else {
-      CpAsyncWait<0>();
+      if (i + 1 < n_tiles) {
+        load_tile(i + 1);  // into the buffer tile i - 1 used: released by the barrier ending it
+        CpAsyncCommit();
+        CpAsyncWait<1>();
+      } else {
+        CpAsyncWait<0>();
+      }
+      __syncthreads();
     }
-    __syncthreads();
 
     // acc[n] = keys[16 entries of this warp] . q[heads 8n .. 8n + 7]^T
     const __nv_bfloat16* k_warp = k_s + (i & 1) * kMmaEntries * ld + warp * 16 * ld;
@@ -287,7 +389,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       if (t < slots) out[t] = t < n_visible ? (part_lo == 0.0f ? 0.0f : part_lo) : -INFINITY;  // fold -0.0
       if (t + 8 < slots) out[t + 8] = t + 8 < n_visible ? (part_hi == 0.0f ? 0.0f : part_hi) : -INFINITY;
     }
-    __syncthreads();  // this tile's buffer is reloaded by the next iteration's prefetch
+    if constexpr (kFp4) {
+      if (i + 1 < n_tiles) store_fp4(i + 1);  // into the buffer tile i - 1 used (released by its barrier)
+    }
+    __syncthreads();  // dense: this tile's buffer is reloaded next; FP4: tile i + 1 is in place
   }
 }
 
@@ -786,13 +891,16 @@ ffi::Error LaunchTopk(cudaStream_t stream, const float* scores, const int32_t* v
   return LaunchTopkKernel(stream, merge, dim3(rows));
 }
 
-template <typename In>
-ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* weights, const void* keys,
+template <typename In, typename Keys>
+ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* weights, const Keys& keys,
                         const int32_t* visible, float* scores, const SelectDims& d) {
   const float scale = static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));
   if constexpr (std::is_same_v<In, __nv_bfloat16>) {
-    if ((d.heads == 16 || d.heads == 32 || d.heads == 64) && d.dim % 16 == 0) {  // the tensor-core path
-      auto kernel = d.heads == 64 ? ScoreKernelMma<64> : d.heads == 32 ? ScoreKernelMma<32> : ScoreKernelMma<16>;
+    const bool fits = !std::is_same_v<Keys, Fp4Keys> || d.dim <= kFp4MaxDim;
+    if ((d.heads == 16 || d.heads == 32 || d.heads == 64) && d.dim % 16 == 0 && fits) {  // the tensor-core path
+      auto kernel = d.heads == 64   ? ScoreKernelMma<64, Keys>
+                    : d.heads == 32 ? ScoreKernelMma<32, Keys>
+                                    : ScoreKernelMma<16, Keys>;
       const size_t shared = MmaSharedBytes(static_cast<int>(d.heads), static_cast<int>(d.dim));
       if (!ReserveDynamicShared(kernel, shared)) {
         return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
@@ -801,20 +909,20 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
       const int64_t rows = d.rows * d.seq, tiles_total = (d.slots + kMmaEntries - 1) / kMmaEntries;
       const int tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, rows * tiles_total / 528)));
       const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((tiles_total + tiles - 1) / tiles));
-      kernel<<<grid, kMmaWarps * 32, shared, stream>>>(static_cast<const __nv_bfloat16*>(queries), weights,
-                                                       static_cast<const __nv_bfloat16*>(keys), visible, scores, d.seq,
-                                                       static_cast<int>(d.dim), d.slots, scale, tiles);
+      kernel<<<grid, kMmaWarps * 32, shared, stream>>>(static_cast<const __nv_bfloat16*>(queries), weights, keys,
+                                                       visible, scores, d.seq, static_cast<int>(d.dim), d.slots, scale,
+                                                       tiles);
       return ffi::Error::Success();
     }
   }
   const size_t shared = static_cast<size_t>(d.heads * d.dim + d.heads) * sizeof(float);
   const bool fast = d.heads == kFastHeads && d.dim % 8 == 0;
-  auto kernel = fast ? ScoreKernel<In, kFastHeads> : ScoreKernel<In, 0>;
+  auto kernel = fast ? ScoreKernel<In, Keys, kFastHeads> : ScoreKernel<In, Keys, 0>;
   if (!ReserveDynamicShared(kernel, shared)) {
     return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
   }
   const dim3 grid(static_cast<unsigned>(d.rows * d.seq), static_cast<unsigned>((d.slots + kScoreThreads - 1) / kScoreThreads));
-  kernel<<<grid, kScoreThreads, shared, stream>>>(static_cast<const In*>(queries), weights, static_cast<const In*>(keys),
+  kernel<<<grid, kScoreThreads, shared, stream>>>(static_cast<const In*>(queries), weights, keys,
                                                   visible, scores, d.seq, static_cast<int>(d.heads),
                                                   static_cast<int>(d.dim), d.slots, scale);
   return ffi::Error::Success();
@@ -842,17 +950,61 @@ ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buff
   }
   if (d.rows * d.seq == 0 || d.slots == 0) return ffi::Error::Success();
   ffi::Error launched = ffi::Error::Success();
+  const int dim = static_cast<int>(d.dim);
   switch (queries.element_type()) {
     case ffi::DataType::F32:
-      launched = LaunchScores<float>(stream, queries.untyped_data(), weights.typed_data(), keys.untyped_data(),
+      launched = LaunchScores<float>(stream, queries.untyped_data(), weights.typed_data(),
+                                     DenseKeys<float>{static_cast<const float*>(keys.untyped_data()), d.slots, dim},
                                      visible.typed_data(), scores->typed_data(), d);
       break;
     case ffi::DataType::BF16:
-      launched = LaunchScores<__nv_bfloat16>(stream, queries.untyped_data(), weights.typed_data(), keys.untyped_data(),
-                                             visible.typed_data(), scores->typed_data(), d);
+      launched = LaunchScores<__nv_bfloat16>(
+          stream, queries.untyped_data(), weights.typed_data(),
+          DenseKeys<__nv_bfloat16>{static_cast<const __nv_bfloat16*>(keys.untyped_data()), d.slots, dim},
+          visible.typed_data(), scores->typed_data(), d);
       break;
     default:
       return ffi::Error::InvalidArgument("dsv4 select_topk: queries/keys must be float32 or bfloat16");
+  }
+  if (launched.failure()) return launched;
+  if (ffi::Error e = LaunchTopk(stream, scores->typed_data(), visible.typed_data(), picks->typed_data(), d,
+                                workspace->typed_data(), segments);
+      e.failure()) {
+    return e;
+  }
+  return LastLaunchError();
+}
+
+// The selection over an FP8 cache's packed FP4 keys (select_topk.h): the scoring kernels
+// dequantize each key where they load it (68 bytes a V4 key instead of a bf16 copy's 256).
+ffi::Error SelectTopkFp4Impl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
+                             ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> key_scales, ffi::Buffer<ffi::S32> visible,
+                             ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                             ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+  std::vector<int64_t> key_dims;
+  if (ffi::Error e = ParseFp4Keys(codes.dimensions(), key_scales.dimensions(), &key_dims); e.failure()) return e;
+  SelectDims d;
+  if (ffi::Error e = ParseDims(&queries, weights.dimensions(), key_dims, visible.dimensions(), picks->dimensions(),
+                               scores->dimensions(), &d);
+      e.failure()) {
+    return e;
+  }
+  int64_t segments = 1;
+  if (ffi::Error e = ParseWorkspace(workspace->dimensions(), d, &segments); e.failure()) return e;
+  if (d.rows * d.seq == 0 || d.slots == 0) return ffi::Error::Success();
+  const Fp4Keys keys{codes.typed_data(), key_scales.typed_data(), d.slots, static_cast<int>(d.dim)};
+  ffi::Error launched = ffi::Error::Success();
+  switch (queries.element_type()) {
+    case ffi::DataType::F32:
+      launched = LaunchScores<float>(stream, queries.untyped_data(), weights.typed_data(), keys, visible.typed_data(),
+                                     scores->typed_data(), d);
+      break;
+    case ffi::DataType::BF16:
+      launched = LaunchScores<__nv_bfloat16>(stream, queries.untyped_data(), weights.typed_data(), keys,
+                                             visible.typed_data(), scores->typed_data(), d);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("dsv4 select_topk: queries must be float32 or bfloat16");
   }
   if (launched.failure()) return launched;
   if (ffi::Error e = LaunchTopk(stream, scores->typed_data(), visible.typed_data(), picks->typed_data(), d,
@@ -894,6 +1046,17 @@ ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buff
       .Ret<ffi::Buffer<ffi::S32>>()                  \
       .Ret<ffi::Buffer<ffi::F32>>()                  \
       .Ret<ffi::Buffer<ffi::S32>>()
+#define DSV4_SELECT_FP4_BINDING                      \
+  ffi::Ffi::Bind()                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
+      .Arg<ffi::AnyBuffer>()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                  \
+      .Arg<ffi::Buffer<ffi::U8>>()                   \
+      .Arg<ffi::Buffer<ffi::U8>>()                   \
+      .Arg<ffi::Buffer<ffi::S32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()                  \
+      .Ret<ffi::Buffer<ffi::F32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()
 #define DSV4_TOPK_BINDING                            \
   ffi::Ffi::Bind()                                   \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
@@ -904,9 +1067,12 @@ ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buff
 
 // The eager break: no traits, so XLA ends its command buffer before this thunk.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkCudaEager, dsv4::SelectTopkImpl, DSV4_SELECT_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4CudaEager, dsv4::SelectTopkFp4Impl, DSV4_SELECT_FP4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCudaEager, dsv4::TopkImpl, DSV4_TOPK_BINDING);
 // Captured inside XLA's CUDA graph (no allocation, no sync in the handler).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkCudaGraph, dsv4::SelectTopkImpl, DSV4_SELECT_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4CudaGraph, dsv4::SelectTopkFp4Impl, DSV4_SELECT_FP4_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCudaGraph, dsv4::TopkImpl, DSV4_TOPK_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
@@ -919,6 +1085,8 @@ PyObject* Registrations(PyObject*, PyObject*) {
   static const dsv4::Target targets[] = {
       {"dsv4_select_topk", reinterpret_cast<void*>(&Dsv4SelectTopkCudaEager)},
       {"dsv4_select_topk_graph", reinterpret_cast<void*>(&Dsv4SelectTopkCudaGraph)},
+      {"dsv4_select_topk_fp4", reinterpret_cast<void*>(&Dsv4SelectTopkFp4CudaEager)},
+      {"dsv4_select_topk_fp4_graph", reinterpret_cast<void*>(&Dsv4SelectTopkFp4CudaGraph)},
       {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCudaEager)},
       {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCudaGraph)},
   };

@@ -65,11 +65,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import indexer, native, sharding
+from . import indexer, native, numerics, sharding
 from . import overlap as overlap_mod
 from .backend import QUERY_BLOCK, map_query_blocks
 from .config import CSA
 from .kernel_plan import REFERENCE, KernelPlan, as_kernel_plan, check_choice
+from .quantized_cache import QuantizedRows, read
 
 BREAK_MODES = ("none", "narrow", "wide")
 BREAK_PLACES = ("auto", "host", "device")
@@ -298,7 +299,7 @@ def _select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False
     Its `Selection` crosses back whole; without `with_scores` its scores are None, a pytree
     node without leaves, so only the int32 picks come back from the host."""
     fn = functools.partial(indexer.select_topk, top_k=top_k, with_scores=with_scores, block=block)
-    return host_call(fn, *jax.lax.stop_gradient((queries, weights, keys)), visible)
+    return host_call(fn, *jax.lax.stop_gradient((queries, weights, read(keys))), visible)
 
 
 def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k, with_scores=False,
@@ -306,14 +307,26 @@ def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k,
     """`select` run per batch shard of a mesh (`sharding.run_per_shard`): every argument is
     ``[B, ...]``; `once` for a host callback (one device per batch shard calls the host)."""
     fn = functools.partial(select, top_k=top_k, with_scores=with_scores, block=block)
-    return sharding.run_per_shard(fn, layout, (queries, weights, keys, visible), once=once)
+    return sharding.run_per_shard(fn, layout, (queries, weights, read(keys), visible), once=once)
 
 
 def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
                    graph: bool, segments: int | None = None) -> indexer.Selection:
     """The native selection, blocked over queries like `indexer.select_topk` (bounds the
     [B, block, T] scores of long prefills); the eager break unless `graph`; `segments` as
-    `KernelPlan.select_segments`."""
+    `KernelPlan.select_segments`. An FP8 cache's keys (`QuantizedRows`) go to the handler in
+    their stored form (`native.select_topk_fp4`)."""
+    if isinstance(keys, QuantizedRows) and keys.grid == "fp4" and keys.block == numerics.FP4_BLOCK:
+
+        def select_fp4_block(q, w, vis, codes, key_scales):
+            picks, scores = native.select_topk_fp4(q, w, codes, key_scales, vis, top_k=top_k, graph=graph,
+                                                   segments=segments)
+            # No `_scores_with_gradient`: nothing differentiates through an FP8 cache (its writes refuse).
+            return indexer.Selection(picks, scores if with_scores else None)
+
+        return map_query_blocks(select_fp4_block, (queries, weights, visible), (keys.values, keys.scales), block)
+
+    keys = read(keys)
 
     def select_block(q, w, vis, k):
         picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph, segments=segments)

@@ -31,6 +31,7 @@ from flax import struct
 
 from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, namespace, top_k_stable
 from .compressor import CompressorWeights
+from .quantized_cache import read
 from .rope import apply_rope
 
 
@@ -109,11 +110,13 @@ def select_topk(queries: Array, weights: Array, keys: Array, visible: Array, *, 
                 with_scores: bool = False, block: int = QUERY_BLOCK) -> Selection:
     """The indexer's selection: scores, then stable top-k with -1 padding (module contract).
 
-    queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c], visible int32 [B, S]
-    -> `Selection(picks int32 [B, S, top_k], scores float32 [B, S, T] or None)`; the scores
-    are returned only if `with_scores`. Blocked over queries: only [B, block, nI, T] exists
-    at a time.
+    queries [B, S, nI, c], weights float32 [B, S, nI], keys [B, T, c] (or an FP8 cache's
+    `QuantizedRows`), visible int32 [B, S] -> `Selection(picks int32 [B, S, top_k], scores
+    float32 [B, S, T] or None)`; the scores are returned only if `with_scores`. Blocked over
+    queries: only [B, block, nI, T] exists at a time.
     """
+
+    keys = read(keys)  # an FP8 cache's keys (`QuantizedRows`) as the array they stand for
 
     def select_block(q, w, vis, k):
         scores = _block_scores(q, w, vis, k)

@@ -12,7 +12,8 @@ and only one chunk's temporaries exist at a time: `prefill` does that, with chun
   layer's compression ratio): the entries grow with `max_seq_len`; the window ring, the
   compressors' rings and the length do not.
 * `cache_table` / `cache_table_markdown`: those figures per layer type of a config, and what a
-  context of `max_seq_len` tokens costs a whole model (the tables of docs/long_context.md).
+  context of `max_seq_len` tokens costs a whole model (the tables of docs/long_context.md);
+  `rows_that_fit` / `capacity_table_markdown`: how many such contexts a memory holds.
 * `prefill_chunk_terms` / `prefill_chunk_bytes`: an estimate of one chunk's device memory, term
   by term (see `prefill_chunk_terms`); `prefill_chunk_size`: the largest chunk within a budget.
 * `prefill(layers, hidden_states, caches)`: the chunked prefill; returns what one call returns.
@@ -90,7 +91,7 @@ def cache_bytes_per_token(cfg: DeepseekV4Config, layer_type: str, dtype=jnp.bflo
     From the real leaves: the difference of `cache_bytes` between two lengths one compression
     window apart, divided by the window. Sliding layers: 0 (their cache is the window ring);
     CSA: ``(head_dim + index_head_dim) * itemsize / m``; HCA: ``head_dim * itemsize / m'``
-    (FP8 caches: a main KV row of 583 bytes and an indexer key of 132 at V4-Flash widths).
+    (FP8 caches: a main KV row of 583 bytes and an indexer key of 68 at V4-Flash widths).
     """
     short, long = _costing_lengths(cfg, layer_type)
     size = functools.partial(cache_bytes, cfg, layer_type, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
@@ -124,6 +125,28 @@ def cache_table(cfg: DeepseekV4Config, max_seq_len: int, dtype=jnp.bfloat16, bat
                      "fixed_bytes": cache_fixed_bytes(cfg, layer_type, **fmt),
                      "per_layer": per_layer, "total": count * per_layer})
     return rows
+
+
+def rows_that_fit(cfg: DeepseekV4Config, max_seq_len: int, memory_bytes: int, dtype=jnp.bfloat16,
+                  kv_cache_dtype: str = "auto") -> int:
+    """The most rows (sequences of `max_seq_len` tokens) whose caches, every layer of `cfg`,
+    fit in `memory_bytes`: the batch x context a memory holds (caches alone: no weights, no
+    activations; a cache's bytes are linear in its rows)."""
+    per_row = sum(r["total"] for r in cache_table(cfg, max_seq_len, dtype, 1, kv_cache_dtype))
+    return int(memory_bytes // per_row)
+
+
+def capacity_table_markdown(cfg: DeepseekV4Config, contexts: Sequence[int], memory_bytes: int,
+                            dtype=jnp.bfloat16) -> str:
+    """`rows_that_fit` with the default and with FP8 caches for each of `contexts`, as a markdown
+    table (tokens of context held: rows x context)."""
+    out = [f"| context | rows in {format_bytes(memory_bytes)}, {np.dtype(dtype).name} caches | "
+           f"rows, FP8 caches | tokens held, {np.dtype(dtype).name} -> FP8 |", "|---|---|---|---|"]
+    for context in contexts:
+        plain, fp8 = (rows_that_fit(cfg, context, memory_bytes, dtype, kv) for kv in ("auto", "fp8"))
+        out.append(f"| {context:,} | {plain:,} | {fp8:,} | {plain * context:,} -> {fp8 * context:,} "
+                   f"({fp8 / plain:.2f}x) |")
+    return "\n".join(out)
 
 
 def format_bytes(n: float) -> str:
@@ -500,7 +523,7 @@ def prefill(layers, hidden_states, caches, *, chunk_size: int | None = None, mem
 def readme_tables() -> list[str]:
     """The tables of docs/long_context.md, computed: the caches of V4-Flash and V4-Pro at
     1,048,576 tokens (bf16, one sequence), V4-Flash's FP8 caches (``kv_cache_dtype="fp8"``),
-    and `prefill_chunk_size` for a V4-Flash stack of CSA and HCA layers (bf16, B = 1, a
+    how many sequences of 128k-1M tokens 120 GiB of caches hold in either format, and `prefill_chunk_size` for a V4-Flash stack of CSA and HCA layers (bf16, B = 1, a
     1,048,576-token cache, the caches donated, the native indexer as on a GPU where it is
     built) within 16, 40 and 100 GiB. `python -m dsv4_jax.long_context`
     prints them; `tests/test_long_context.py` checks docs/long_context.md holds them."""
@@ -510,6 +533,7 @@ def readme_tables() -> list[str]:
         cache_table_markdown(flash, context),
         cache_table_markdown(DeepseekV4Config.pro(), context),
         cache_table_markdown(flash, context, kv_cache_dtype="fp8"),
+        capacity_table_markdown(flash, [131072, 262144, 524288, context], 120 << 30),
         chunk_table_markdown(flash, [CSA, HCA], [16 << 30, 40 << 30, 100 << 30], max_seq_len=context,
                              xla_scores=False, donated=True, residual=True),
     ]
@@ -529,6 +553,7 @@ __all__ = [
     "cache_fixed_bytes",
     "cache_table",
     "cache_table_markdown",
+    "capacity_table_markdown",
     "chunk_multiple",
     "chunk_table_markdown",
     "format_bytes",
@@ -538,4 +563,5 @@ __all__ = [
     "prefill_chunk_size",
     "prefill_chunk_terms",
     "readme_tables",
+    "rows_that_fit",
 ]

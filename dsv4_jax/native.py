@@ -1,7 +1,7 @@
 """The native XLA FFI handlers of the indexer's selection (built from csrc/): loading,
 registration, the calls, and what was built.
 
-The only module that imports the compiled extensions or knows the FFI target names. Two
+The only module that imports the compiled extensions or knows the FFI target names. Three
 targets per platform, same contract as `indexer.select_topk` (see csrc/select_topk.h):
 
 ==========================  ===============================================================
@@ -12,6 +12,8 @@ target                      what it does
                             starts a new one after it (vLLM's ``eager_break_during_capture``)
 ``dsv4_select_topk_graph``  the same kernels, declared command-buffer compatible: captured
                             inside XLA's CUDA graph (used by ``break_mode="none"``)
+``dsv4_select_topk_fp4``    scoring + top-k over an FP8 cache's packed FP4 indexer keys
+``[_graph]``                (codes and scale bytes, dequantized where the kernels load them)
 ``dsv4_topk[_graph]``       the top-k alone, on float32 scores (property tests, benchmarks)
 ==========================  ===============================================================
 
@@ -176,6 +178,34 @@ def select_topk(queries, weights, keys, visible, *, top_k: int, graph: bool, seg
     return picks, scores
 
 
+def select_topk_fp4(queries, weights, key_codes, key_scales, visible, *, top_k: int, graph: bool,
+                    segments: int | None = None):
+    """`select_topk` over an FP8 cache's indexer keys in their stored form: key_codes uint8
+    [..., T, c / 2] (e2m1 codes two a byte, `numerics.pack_fp4`) and key_scales uint8
+    [..., T, ceil(c / 32)] (UE8M0 exponent bytes). The handler dequantizes each key where it
+    loads it (exactly: the scores and picks of `select_topk` over the dequantized keys), so a
+    long context's scoring reads 68 bytes a V4 key instead of a bf16 copy's 256."""
+    _register_all()
+    dtype = queries.dtype if queries.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
+    args = (
+        jax.lax.stop_gradient(queries.astype(dtype)),
+        jax.lax.stop_gradient(weights.astype(jnp.float32)),
+        jnp.asarray(key_codes, jnp.uint8),
+        jnp.asarray(key_scales, jnp.uint8),
+        visible.astype(jnp.int32),
+    )
+    lead_and_seq = queries.shape[:-2]
+    slots = key_codes.shape[-2]
+    out_types = (
+        jax.ShapeDtypeStruct((*lead_and_seq, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((*lead_and_seq, slots), jnp.float32),
+        _workspace(lead_and_seq, slots, top_k, segments),
+    )
+    name = "dsv4_select_topk_fp4_graph" if graph else "dsv4_select_topk_fp4"
+    picks, scores, _ = jax.ffi.ffi_call(name, out_types, vmap_method="broadcast_all")(*args)
+    return picks, scores
+
+
 def topk(scores, visible, *, top_k: int, graph: bool = True, segments: int | None = None):
     """int32 [..., S, top_k]: the native top-k of float32 scores [..., S, T] over ``t < visible``.
 
@@ -192,4 +222,5 @@ def topk(scores, visible, *, top_k: int, graph: bool = True, segments: int | Non
     return picks
 
 
-__all__ = ["available", "native_info", "platform_name", "select_topk", "topk", "topk_segments", "unavailable_reason"]
+__all__ = ["available", "native_info", "platform_name", "select_topk", "select_topk_fp4", "topk", "topk_segments",
+           "unavailable_reason"]

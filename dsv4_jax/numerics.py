@@ -210,6 +210,37 @@ def dequantize_bits(values: Array, exponents: Array, dtype, block: int) -> Array
     return _dequantize(values, (exponents.astype(np.uint32) << _EXPONENT_SHIFT).view(np.float32), dtype, block)
 
 
+# The 16 e2m1 codes' values (sign bit 3, exponent bits 2-1, mantissa bit 0), and the midpoints
+# between the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 that turn a grid value back into its code.
+FP4_CODE_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def pack_fp4(values: Array) -> Array:
+    """FP4 grid values [..., n] (any float dtype; n even) as e2m1 codes two a byte, uint8
+    [..., n / 2]: channel 2i in the low nibble of byte i, 2i + 1 in the high one (the OCP MXFP4
+    order, as vLLM's 68-byte indexer keys). Signs are kept (-0.0 has code 8); a NaN (a
+    non-finite block, whose scale byte is 255) packs as a zero, which that scale makes NaN again."""
+    xp = namespace(values)
+    n = values.shape[-1]
+    if n % 2:
+        raise ValueError(f"values: FP4 codes pack two a byte, expected an even last axis, got {n}")
+    v = values.astype(np.float32)
+    magnitude = xp.abs(v)
+    code = sum((magnitude > np.float32(m)).astype(np.uint8) for m in _FP4_MIDPOINTS)
+    code = code | (xp.signbit(v).astype(np.uint8) << np.uint8(3))
+    pairs = code.reshape(*code.shape[:-1], n // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << np.uint8(4))
+
+
+def unpack_fp4(packed: Array) -> Array:
+    """The inverse of `pack_fp4`: uint8 [..., m] -> the grid values as float32 [..., 2m]."""
+    xp = namespace(packed)
+    codes = xp.stack([packed & np.uint8(0xF), packed >> np.uint8(4)], axis=-1)
+    codes = codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).astype(np.int32)
+    return xp.asarray(FP4_CODE_VALUES)[codes]
+
+
 def hadamard_rotate(x: Array) -> Array:
     """Normalized Walsh-Hadamard transform over the last axis, as the official
     `rotate_activation` (Dao-AILab `fast_hadamard_transform(x, scale=dim ** -0.5)`).

@@ -8,29 +8,30 @@ loses nothing: a stored row dequantizes to exactly the value the bf16 cache woul
 layer with ``kv_cache_dtype="fp8"`` gives the same picks and outputs, bit for bit, as with
 the bf16 cache (tests/test_quantized_cache.py). This is the layout vLLM's DeepSeek-V4 keeps
 (``fp8_ds_mla``: 448 e4m3 values, 64 bf16 RoPE values and 7 UE8M0 scales a main KV row; the
-indexer's keys in FP8 with a scale), as a typed pytree of three arrays instead of one byte
-record:
+indexer's keys as MXFP4, two e2m1 codes a byte and a UE8M0 scale a block of 32, its 68-byte
+variant), as a typed pytree of three arrays instead of one byte record:
 
 =========  ============================  =====================================================
 field      shape                         meaning
 =========  ============================  =====================================================
-values     [B, N, D - rd] float8_e4m3fn  the grid values of the non-RoPE channels (FP4 grid
-                                         values for the indexer's keys: e2m1 is a subset)
+values     [B, N, D - rd] float8_e4m3fn  the grid values of the non-RoPE channels; for the
+           or [B, N, D / 2] uint8        indexer's keys (grid "fp4") their e2m1 codes, two a
+                                         byte (`numerics.pack_fp4`)
 scales     [B, N, ceil((D - rd) / blk)]  uint8: each block's scale ``2 ** (byte - 127)``
                                          (UE8M0; 0 reads as zero, so an empty cache reads 0)
 rope       [B, N, rd] (the cache dtype)  the RoPE channels, not rounded (rd = 0: indexer keys)
 =========  ============================  =====================================================
 
 Bytes a row at V4-Flash sizes (D = 512, rd = 64, indexer head 128): main KV 448 + 7 + 128 =
-583 (bf16: 1024); indexer key 128 + 4 = 132 (bf16: 256).
+583 (bf16: 1024); indexer key 64 + 4 = 68 (bf16: 256).
 
 Who reads what: the step writes rows through `write_rows` (the cache's scatters quantize
 the rounded rows they are given) and reads them through `read` (the dequantized [B, N, D]
 array, in the cache dtype) or, for a CSA decode step, `read_picked` (only the picked rows).
-The readers (sparse attention, the indexer's scoring, the native handlers) see the same
-arrays as with a bf16 cache. Kernels that read the compact rows themselves (half the bytes of
-a long context's scoring and attention) are not written yet: on the H200 FP8 caches save
-memory, not time (docs/numerics.md, "FP8 caches").
+The readers (sparse attention, the XLA and NumPy scoring) see the same arrays as with a bf16
+cache. The native selection reads the indexer's packed keys itself (`native.select_topk_fp4`,
+chosen by `breaks`: the codes and scale bytes go to the handler, which dequantizes each key
+where it loads it), so a long context's scoring reads 68 bytes a key instead of 256.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class QuantizedRows:
 
     @property
     def shape(self) -> tuple:
-        return (*self.values.shape[:-1], self.values.shape[-1] + self.rope.shape[-1])
+        stored = self.values.shape[-1] * (2 if self.grid == "fp4" else 1)
+        return (*self.values.shape[:-1], stored + self.rope.shape[-1])
 
     @property
     def ndim(self) -> int:
@@ -90,7 +92,8 @@ class QuantizedRows:
 
     def dequantize(self) -> Array:
         """[..., N, D] in the cache dtype: the rows as the bf16 cache holds them, bit for bit."""
-        nope = numerics.dequantize_bits(self.values, self.scales, self.dtype, self.block)
+        values = numerics.unpack_fp4(self.values) if self.grid == "fp4" else self.values
+        nope = numerics.dequantize_bits(values, self.scales, self.dtype, self.block)
         if self.rope.shape[-1] == 0:
             return nope
         return namespace(nope, self.rope).concatenate([nope, self.rope], axis=-1)
@@ -103,6 +106,8 @@ class QuantizedRows:
         n = rows.shape[-1] - rd
         quantize = numerics.quantize_to_bits if isinstance(rows, np.ndarray) else _quantize_undifferentiable
         values, scales = quantize(rows[..., :n], self.block, self.grid)
+        if self.grid == "fp4":
+            values = numerics.pack_fp4(values)
         return QuantizedRows(values=values, scales=scales, rope=rows[..., n:].astype(self.dtype),
                              block=self.block, grid=self.grid)
 
@@ -129,8 +134,12 @@ def quantized_zeros(batch: int, rows: int, dim: int, rope_dim: int, dtype, grid:
     ``grid="fp4"`` (blocks of 32, ``rope_dim=0``)."""
     block = numerics.FP8_BLOCK if grid == "fp8" else numerics.FP4_BLOCK
     n = dim - rope_dim
+    if grid == "fp4" and n % 2:
+        raise ValueError(f"index_head_dim: an FP8 cache packs the indexer's keys two values a byte, "
+                         f"expected an even width, got {n}")
+    values = jnp.zeros((batch, rows, n), numerics.FP8) if grid == "fp8" else jnp.zeros((batch, rows, n // 2), jnp.uint8)
     return QuantizedRows(
-        values=jnp.zeros((batch, rows, n), numerics.FP8),
+        values=values,
         scales=jnp.zeros((batch, rows, math.ceil(n / block)), jnp.uint8),
         rope=jnp.zeros((batch, rows, rope_dim), dtype),
         block=block, grid=grid,

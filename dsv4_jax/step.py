@@ -316,7 +316,9 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
             queries = round_indexer(queries)
     visible = visible_entries(positions, spec.ratio)
     with jax.named_scope("indexer_select"):
-        selected = select(queries, inputs.indexer_weights, read(index_state.entries), visible,
+        # The keys as the cache stores them: the native selection reads an FP8 cache's packed
+        # keys itself, the other selections dequantize them (`quantized_cache.read`).
+        selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
                           top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 

@@ -281,11 +281,17 @@ def dequantized(cache):
 
 def test_fp8_caches_bytes_and_chunked_prefill():
     """FP8 caches (`quantized_cache`): a V4-Flash main KV row of 448 + 7 scale bytes + 64 bf16
-    RoPE values, an indexer key of 128 + 4; the chunk estimate counts the FP8 copy and the rows
+    RoPE values, an indexer key of 64 + 4 (two e2m1 codes a byte); the chunk estimate counts the FP8 copy and the rows
     dequantized for reading; a prompt by chunks into FP8 caches equals one call, bit for bit."""
     flash = DeepseekV4Config.flash()
-    assert long_context.cache_bytes_per_token(flash, CSA, kv_cache_dtype="fp8") == (583 + 132) / 4
+    assert long_context.cache_bytes_per_token(flash, CSA, kv_cache_dtype="fp8") == (583 + 68) / 4
     assert long_context.cache_bytes_per_token(flash, HCA, kv_cache_dtype="fp8") == 583 / 128
+    # What a memory holds: whole rows only, and about twice as many with FP8 caches.
+    for kv in ("auto", "fp8"):
+        per_row = sum(r["total"] for r in long_context.cache_table(flash, 1 << 20, kv_cache_dtype=kv))
+        rows = long_context.rows_that_fit(flash, 1 << 20, 120 << 30, kv_cache_dtype=kv)
+        assert rows * per_row <= 120 << 30 < (rows + 1) * per_row
+    assert long_context.rows_that_fit(flash, 1 << 20, 120 << 30, kv_cache_dtype="fp8") == 2 * 17
     terms = long_context.prefill_chunk_terms(flash, CSA, 1, 4096, 1 << 20, kv_cache_dtype="fp8")
     assert terms["cache_copy"] == long_context.cache_bytes(flash, CSA, 1 << 20, kv_cache_dtype="fp8")
     assert terms["dequantized_rows"] == long_context.cache_bytes(flash, CSA, 1 << 20)

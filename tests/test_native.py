@@ -215,6 +215,45 @@ def check_native_scores_and_picks(args, graph: bool, top_k: int = 64) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize(("heads", "dim", "slots", "dtype"), [
+    (64, 128, 2600, jnp.bfloat16),  # V4's indexer: CUDA's tensor-core kernel, keys dequantized into its tiles
+    (16, 48, 130, jnp.bfloat16),    # a partial scale block (48 channels: blocks of 32 and 16)
+    (64, 128, 300, jnp.float32),    # CUDA's register-tiled FMA kernel
+    (4, 16, 45, jnp.float32),       # the generic FMA kernel
+    (16, 256, 70, jnp.bfloat16),    # wider than the tensor-core FP4 path takes: the FMA kernel
+], ids=["v4", "partial-block", "f32-fast", "f32-generic", "wide"])
+def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
+    """An FP8 cache's indexer keys in their stored form (e2m1 codes two a byte, a scale byte a
+    block of 32; empty rows of scale 0 included): the same scores, bit for bit, and picks as
+    the native selection over the dequantized keys, and the XLA twin's picks."""
+    from dsv4_jax import numerics
+    from dsv4_jax.quantized_cache import QuantizedRows
+
+    rng = np.random.default_rng(dim)
+    q, w, keys, visible = random_selection_inputs(rng, dtype, batch=2, seq=4, heads=heads, dim=dim, slots=slots)
+    keys = np.asarray(keys, np.float32) * np.exp2(rng.integers(-6, 6, size=(2, slots, 1)))
+    keys[:, -3:] = 0.0  # rows never written: codes and scale bytes 0
+    values, key_scales = numerics.quantize_to_bits(numerics.fp4_round_trip(keys, 32), 32, "fp4")
+    rows = QuantizedRows(values=jnp.asarray(numerics.pack_fp4(values)), scales=jnp.asarray(key_scales),
+                         rope=jnp.zeros((2, slots, 0), dtype), block=32, grid="fp4")
+    dense = rows.dequantize()
+    for graph in (False, True):
+        picks, scores = jax.jit(lambda *a, graph=graph: native.select_topk_fp4(*a, top_k=64, graph=graph))(
+            q, w, rows.values, rows.scales, visible)
+        want_picks, want_scores = native.select_topk(q, w, dense, visible, top_k=64, graph=graph)
+        np.testing.assert_array_equal(np.asarray(scores), np.asarray(want_scores))
+        np.testing.assert_array_equal(np.asarray(picks), np.asarray(want_picks))
+    xla = indexer.select_topk(q, w, rows, visible, top_k=64, with_scores=True)  # the twin reads QuantizedRows too
+    np.testing.assert_array_equal(np.asarray(picks), reference_picks(np.asarray(scores), np.asarray(visible), 64))
+    seen = np.isfinite(np.asarray(xla.scores))
+    assert rel_err(np.asarray(scores)[seen], np.asarray(xla.scores)[seen]) < 1e-5
+    # The layer's native selection hands the stored form over (no dequantized copy of the keys).
+    select = breaks.plan_break(CSA, "none", kernels="native").indexer_select()
+    lowered = jax.jit(lambda q, w, rows, v: select(q, w, rows, v, top_k=64).picks).lower(q, w, rows, visible)
+    assert "dsv4_select_topk_fp4" in lowered.as_text()
+
+
+@needs_native
 def test_select_topk_under_vmap_and_grad():
     rng = np.random.default_rng(5)
     q, w, keys, visible = random_selection_inputs(rng, jnp.float32)
@@ -321,7 +360,7 @@ def test_native_info_says_what_was_built():
         assert entry["usable"] == (entry["built"] and "reason" not in entry)
         if entry["built"]:
             assert entry["ffi_api"] == "0.3"  # the oldest supported jaxlib's headers: loads on all
-            assert set(entry["targets"]) == {"dsv4_select_topk", "dsv4_select_topk_graph", "dsv4_topk",
-                                             "dsv4_topk_graph"}
+            assert set(entry["targets"]) == {"dsv4_select_topk", "dsv4_select_topk_graph", "dsv4_select_topk_fp4",
+                                             "dsv4_select_topk_fp4_graph", "dsv4_topk", "dsv4_topk_graph"}
         else:
             assert "pip install" in entry["reason"]

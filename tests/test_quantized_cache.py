@@ -100,7 +100,8 @@ def test_fp8_cache_in_bf16_under_a_users_jit_and_for_ragged_rows():
 
 def test_fp8_cache_layout_and_bytes():
     """The stored arrays (dtypes, block counts) and the bytes: at V4-Flash widths a main KV row
-    takes 448 + 7 + 128 = 583 bytes (bf16: 1024) and an indexer key 128 + 4 (bf16: 256)."""
+    takes 448 + 7 + 128 = 583 bytes (bf16: 1024) and an indexer key 64 + 4 (bf16: 256): two e2m1
+    codes a byte and a scale byte a block of 32."""
     cfg = DeepseekV4Config.tiny()
     attn = helpers.random_layer(cfg, 1, numerics="official")
     cache = attn.init_cache(3, 64, kv_cache_dtype="fp8")
@@ -112,6 +113,7 @@ def test_fp8_cache_layout_and_bytes():
     assert window.rope.shape[-1] == cfg.qk_rope_head_dim
     keys = cache.indexer.entries
     assert keys.grid == "fp4" and keys.block == 32 and keys.rope.shape[-1] == 0
+    assert keys.values.dtype == np.uint8 and keys.values.shape[-1] == cfg.index_head_dim // 2
     assert keys.shape == (3, cfg.entry_slots(CSA, 64), cfg.index_head_dim)
     np.testing.assert_array_equal(np.asarray(read(window)), np.zeros(window.shape, np.float32))  # empty reads 0
     assert cache_nbytes(cache) < cache_nbytes(attn.init_cache(3, 64))
@@ -120,7 +122,7 @@ def test_fp8_cache_layout_and_bytes():
     main = quantized_zeros(flash["batch"], flash["rows"], 512, 64, jnp.bfloat16, "fp8")
     index = quantized_zeros(flash["batch"], flash["rows"], 128, 0, jnp.bfloat16, "fp4")
     per_row = [sum(a.nbytes for a in jax.tree.leaves(rows)) // flash["rows"] for rows in (main, index)]
-    assert per_row == [583, 132]
+    assert per_row == [583, 68]
 
 
 def test_reencoding_a_rounded_row_keeps_its_value():
@@ -142,6 +144,26 @@ def test_reencoding_a_rounded_row_keeps_its_value():
             np.testing.assert_array_equal(direct.astype(np.float32), rounded.astype(np.float32), err_msg=grid)
             non_finite = again[2:4, :block].astype(np.float32)
             assert np.isnan(non_finite).all()
+
+
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_fp4_codes_pack_two_a_byte(xp):
+    """The indexer keys' storage: every e2m1 value (both zeros included) packs into its code,
+    channel 2i in the low nibble, and unpacks to the same bits; NaN (a non-finite block) packs
+    as a zero, which the block's scale byte 255 turns back into NaN."""
+    grid = numerics.FP4_CODE_VALUES
+    values = np.stack([np.repeat(grid, 16), np.tile(grid, 16)], axis=-1).reshape(16, 32)
+    packed = numerics.pack_fp4(xp.asarray(values.astype(ml_dtypes.bfloat16)))
+    assert packed.dtype == np.uint8 and packed.shape == (16, 16)
+    codes = np.arange(16, dtype=np.uint8)
+    np.testing.assert_array_equal(np.asarray(packed).reshape(-1), (np.repeat(codes, 16) | (np.tile(codes, 16) << 4)))
+    back = np.asarray(numerics.unpack_fp4(packed))
+    np.testing.assert_array_equal(back.view(np.uint32), values.astype(np.float32).view(np.uint32))
+    nan_row = numerics.pack_fp4(xp.asarray(np.full((1, 32), np.nan, np.float32)))
+    scales = xp.asarray(np.full((1, 1), 255, np.uint8))
+    assert np.isnan(np.asarray(numerics.dequantize_bits(numerics.unpack_fp4(nan_row), scales, np.float32, 32))).all()
+    with pytest.raises(ValueError, match="even last axis"):
+        numerics.pack_fp4(xp.zeros((2, 3), np.float32))
 
 
 def test_fp8_cache_requires_the_official_numerics():
