@@ -30,6 +30,10 @@ def test_replays_every_golden_call(golden, layer, mode):
         # Without an indexer every mode but wide runs the very same compiled step as "none"
         # (test_layers_without_indexer_share_the_none_step): replaying it again proves nothing.
         pytest.skip("same compiled step as 'none'")
+    if golden.name != "small_seed0.npz" and mode not in ("none", "wide"):
+        # Every mode replays small_seed0 (and agrees with "none" on every call schedule below);
+        # the other recording checks the two computations that differ: XLA's and the wide break's NumPy.
+        pytest.skip("the native and narrow modes replay small_seed0.npz")
     attn = golden_layer(golden, layer, **execution(mode))
     cache = attn.init_cache(golden.batch, sum(golden.schedule) + 3)
     for c in range(len(golden.schedule)):

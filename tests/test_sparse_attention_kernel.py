@@ -66,14 +66,22 @@ def kernel_path(q, pool, widx, sinks, kwargs, **blocks):
                       np.float32)
 
 
-@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-@pytest.mark.parametrize("blocks", [dict(block_keys=4, block_heads=2, splits=1),
-                                    dict(block_keys=4, block_heads=4, splits=3),
-                                    dict(block_keys=8, block_heads=4, splits=5),
-                                    dict(block_keys=8, block_heads=2),
-                                    dict(block_keys=4, block_heads=2, skip_masked_blocks=True),
-                                    dict(block_keys=4, block_heads=4, splits=3, skip_masked_blocks=True)])
-@pytest.mark.parametrize("s", [1, 5], ids=["decode", "prefill"])
+BLOCKS = [dict(block_keys=4, block_heads=2, splits=1),
+          dict(block_keys=4, block_heads=4, splits=3),
+          dict(block_keys=8, block_heads=4, splits=5),
+          dict(block_keys=8, block_heads=2),
+          dict(block_keys=4, block_heads=2, skip_masked_blocks=True),
+          dict(block_keys=4, block_heads=4, splits=3, skip_masked_blocks=True)]
+KINDS = ["sliding", "csa", "hca"]
+# A covering set of (kind, blocks, phase), not the full product (every case compiles and runs an
+# interpret-mode kernel): every kind with every block choice, each block choice and each kind in
+# both phases (the phase alternates with the sum of the two indices).
+FLOAT32_CASES = [pytest.param(kind, blocks, 5 if (i + j) % 2 else 1,
+                              id=f"{'prefill' if (i + j) % 2 else 'decode'}-blocks{i}-{kind}")
+                 for i, blocks in enumerate(BLOCKS) for j, kind in enumerate(KINDS)]
+
+
+@pytest.mark.parametrize("kind, blocks, s", FLOAT32_CASES)
 def test_kernel_equals_the_xla_path_in_float32(kind, blocks, s):
     # splits=5 with 3 window blocks and 3-4 entry blocks: some programs see no key at all;
     # splits=1: the kernel merges the sink itself; prefill: the first queries of the row at
@@ -190,12 +198,14 @@ def test_a_cpu_machine_exports_the_decode_step_for_cuda_with_the_xla_path():
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
-def test_golden_calls_through_the_kernel(golden, layer, monkeypatch):
+def test_golden_calls_through_the_kernel(small, layer, monkeypatch):
     """Every golden call of the reference, prefill chunks and decode steps through the kernel
     (in interpret mode: the golden configs' 4-8 heads are below Triton's 16), without
-    intermediates (which keep the XLA path)."""
+    intermediates (which keep the XLA path). One recording (small_seed0: both prefill chunks and
+    decode steps, every layer type); the kernel against the XLA path on other shapes: above."""
     from helpers import golden_layer, rel_err
 
+    golden = small
     traced = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: traced.append(1) or real(*a, **k))
