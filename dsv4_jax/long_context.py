@@ -526,7 +526,8 @@ def readme_tables() -> list[str]:
     how many sequences of 128k-1M tokens 120 GiB of caches hold in either format, and
     `prefill_chunk_size` for a V4-Flash stack of CSA and HCA layers (bf16, B = 1, a
     1,048,576-token cache, the caches donated, the native indexer as on a GPU where it is
-    built) within 16, 40 and 100 GiB. `python -m dsv4_jax.long_context` prints them; `tests/test_long_context.py` checks docs/long_context.md holds them."""
+    built) within 16, 40 and 100 GiB. `python -m dsv4_jax.long_context` prints them;
+    `tests/test_long_context.py` checks docs/long_context.md holds them."""
     context = 1 << 20
     flash = DeepseekV4Config.flash()
     return [
