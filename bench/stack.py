@@ -591,6 +591,8 @@ def kernel_plan(args, kernels="auto") -> KernelPlan:
             changes[f"{phase}_blocks"] = tuple(int(v) for v in blocks.split(","))
     if getattr(args, "select_segments", None):
         changes["select_segments"] = args.select_segments
+    if getattr(args, "select_keys", None):
+        changes["select_keys"] = args.select_keys
     return dataclasses.replace(plan, **changes)
 
 
@@ -793,6 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--select-segments", default=None, type=int, metavar="P",
                     help="blocks a query row of the native CUDA top-k (KernelPlan select_segments; 1: one "
                          "block a row; default: native.topk_segments)")
+    ap.add_argument("--select-keys", default=None, choices=("stored", "dequantized"),
+                    help="how the native selection reads an FP8 cache's indexer keys (KernelPlan select_keys; "
+                         "default: stored, the handler dequantizes them where it loads them)")
     ap.add_argument("--overlap", default="auto", metavar="SETTING[,SETTING...]",
                     help="the layers' overlap (dsv4_jax.overlap: auto, on, off); a list runs each job once per "
                          "setting, in order, back to back (the A/B: e.g. on,off,on); records carry `overlap`")

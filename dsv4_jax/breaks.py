@@ -117,7 +117,8 @@ class BreakPlan:
         """The `select_topk` that `step.run_stages` calls for this plan."""
         if self.native_select:
             select = functools.partial(_select_native, graph=self.mode == "none",
-                                       segments=self.kernels.select_segments)
+                                       segments=self.kernels.select_segments,
+                                       stored_keys=self.kernels.select_keys != "dequantized")
         elif self.mode == "narrow":
             select = _select_on_host
         else:
@@ -311,12 +312,14 @@ def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k,
 
 
 def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
-                   graph: bool, segments: int | None = None) -> indexer.Selection:
+                   graph: bool, segments: int | None = None, stored_keys: bool = True) -> indexer.Selection:
     """The native selection, blocked over queries like `indexer.select_topk` (bounds the
     [B, block, T] scores of long prefills); the eager break unless `graph`; `segments` as
     `KernelPlan.select_segments`. An FP8 cache's keys (`QuantizedRows`) go to the handler in
-    their stored form (`native.select_topk_fp4`)."""
-    if isinstance(keys, QuantizedRows) and keys.grid == "fp4" and keys.block == numerics.FP4_BLOCK:
+    their stored form (`native.select_topk_fp4`) unless not `stored_keys`
+    (`KernelPlan.select_keys="dequantized"`)."""
+    if (stored_keys and isinstance(keys, QuantizedRows) and keys.grid == "fp4"
+            and keys.block == numerics.FP4_BLOCK):
 
         def select_fp4_block(q, w, vis, codes, key_scales):
             picks, scores = native.select_topk_fp4(q, w, codes, key_scales, vis, top_k=top_k, graph=graph,

@@ -74,6 +74,10 @@ class KernelPlan:
     select_segments: blocks a query row of the native CUDA top-k takes (A/B runs): None, the
         policy `native.topk_segments` (long rows among few are cut into segments merged after);
         1, one block a row. The picks are the same for every value.
+    select_keys:       "auto" | "stored" | "dequantized"  how the native selection reads an FP8
+                       cache's indexer keys: "stored" hands their codes and scale bytes to the
+                       handler (`native.select_topk_fp4`), "dequantized" a dequantized copy
+                       (A/B runs; the same picks). "auto": "stored".
     """
 
     select: str = "auto"
@@ -84,12 +88,14 @@ class KernelPlan:
     decode_blocks: tuple[int, ...] | None = None
     prefill_blocks: tuple[int, ...] | None = None
     select_segments: int | None = None
+    select_keys: str = "auto"
 
     def __post_init__(self):
         check_choice("kernels.select", self.select, SELECT_CHOICES)
         for stage in PALLAS_STAGES:
             check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
         check_choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
+        check_choice("kernels.select_keys", self.select_keys, ("auto", "stored", "dequantized"))
         for name in ("decode_blocks", "prefill_blocks"):
             blocks = getattr(self, name)
             if blocks is None:
@@ -121,7 +127,8 @@ class KernelPlan:
         stages = {}
         if platform != "cuda":
             stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas")}
-        return dataclasses.replace(self, select=select, **stages)
+        keys = "stored" if self.select_keys == "auto" else self.select_keys
+        return dataclasses.replace(self, select=select, select_keys=keys, **stages)
 
     def attention(self, phase: str) -> str:
         """The sparse attention choice for a "decode" or "prefill" call."""

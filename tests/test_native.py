@@ -251,6 +251,12 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     select = breaks.plan_break(CSA, "none", kernels="native").indexer_select()
     lowered = jax.jit(lambda q, w, rows, v: select(q, w, rows, v, top_k=64).picks).lower(q, w, rows, visible)
     assert "dsv4_select_topk_fp4" in lowered.as_text()
+    copy = breaks.plan_break(CSA, "none", kernels=dsv4_jax.KernelPlan(select="native", select_keys="dequantized"))
+    lowered = jax.jit(lambda q, w, rows, v: copy.indexer_select()(q, w, rows, v, top_k=64).picks).lower(
+        q, w, rows, visible)
+    assert "dsv4_select_topk_fp4" not in lowered.as_text() and "dsv4_select_topk" in lowered.as_text()
+    with pytest.raises(ValueError, match=r"kernels\.select_keys"):
+        dsv4_jax.KernelPlan(select_keys="packed")
 
 
 @needs_native
