@@ -255,6 +255,9 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     lowered = jax.jit(lambda q, w, rows, v: copy.indexer_select()(q, w, rows, v, top_k=64).picks).lower(
         q, w, rows, visible)
     assert "dsv4_select_topk_fp4" not in lowered.as_text() and "dsv4_select_topk" in lowered.as_text()
+    # The default: the stored form where its kernels passed their gate (CUDA's have not run on a GPU yet).
+    assert dsv4_jax.KernelPlan().resolve("cpu", True).select_keys == "stored"
+    assert dsv4_jax.KernelPlan().resolve("cuda", True).select_keys == "dequantized"
     with pytest.raises(ValueError, match=r"kernels\.select_keys"):
         dsv4_jax.KernelPlan(select_keys="packed")
 
