@@ -7,6 +7,8 @@ schedule of calls (one shot, chunks, token by token) gives the one-shot result.
 
 from __future__ import annotations
 
+import itertools
+
 import helpers
 import jax
 import jax.numpy as jnp
@@ -70,13 +72,13 @@ def test_golden_scores_match_reference(small, mode):
 # ---------------------------------------------------------------------------- schedules and modes
 # One set of runs serves the schedule and mode tests below (compiling is the slow part: every
 # call length compiles a step per layer and mode, so the chunked schedule, which every mode runs,
-# reuses the lengths of the other schedules (1, 3) where it can, and short_first reuses the
-# chunked schedule's 22; their chunk ends fall inside windows (13, 17, 18, 31, 28, 50) and on
-# their edges (16)).
+# has three: a prefill, decode steps up to 31, a prefill continuing mid-window; narrow's other
+# schedules add only short_first's 3; the chunk ends fall inside windows (13, 17, 18, 31, 28, 50)
+# and on their edges (16, 24)).
 SEQ = 53
 SCHEDULES = {
     "one_shot": [SEQ],
-    "chunked": [13, 3, 1, 1, 13, 22],
+    "chunked": [13] + [1] * 18 + [22],
     "short_first": [3, 1, 1, 1, 22, 22, 3],
     "token_by_token": [1] * SEQ,
 }
@@ -95,15 +97,21 @@ def runs(long_input):
 
     Every schedule in narrow mode (the default, "narrow" below: the device break where the
     native handlers are built, else the host one); the chunked schedule in every execution
-    mode that differs for the layer (all of them on CSA; none and wide elsewhere).
+    mode that differs for the layer (all of them on CSA; none and wide elsewhere). Without an
+    indexer, "none" runs every forward stage in XLA with the default backward choice: where the
+    default forward plan is XLA's too (on a CPU) that is narrow's compiled step, reused
+    (`kernels="xla"` would compile it again, differing only in `attention_backward`).
     """
     cfg, x = long_input
     results = {}
     modes = {"narrow": {}} | {m: kw for m, kw in EXECUTIONS.items() if helpers.runnable(m)}
+    xla_forward = dsv4_jax.KernelPlan(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla")
     for layer in (0, 1, 2):
         for mode, kwargs in modes.items():
             if layer != 1 and mode not in ("narrow", "none", "wide"):
                 continue
+            if layer != 1 and mode == "none":
+                kwargs = dict(kwargs, kernels=xla_forward)
             attn = random_layer(cfg, layer, seed=5, **kwargs)
             for name, schedule in SCHEDULES.items():
                 if mode == "narrow" or name == "chunked":
@@ -158,7 +166,7 @@ def test_break_mode_can_be_switched_between_calls(long_input, runs):
     outs, start = [], 0
     schedule = [("narrow", "host"), ("wide", "auto"), ("none", "auto"), ("narrow", "auto"), ("wide", "host"),
                 ("none", "host")]
-    for n, (mode, place) in zip(SCHEDULES["chunked"], schedule):
+    for n, (mode, place) in zip(SCHEDULES["chunked"], itertools.cycle(schedule)):
         attn.break_mode, attn.break_on = mode, place
         pos = np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (2, n))
         out, cache, _ = attn(jnp.asarray(x[:, start:start + n]), pos, cache, return_intermediates=True)

@@ -491,14 +491,16 @@ def test_against_official_torch_fallbacks():
 
 # ---------------------------------------------------------------------------- the layer's switch
 def _layer_runs(layer: int, numerics_setting: str, **kwargs):
-    """A 40-token prefill in chunks of 13 + 27, then 3 decode steps, of a random tiny layer with
-    `numerics=` as given: the outputs, the caches and the picks of each call."""
+    """A 39-token prefill in three chunks of 13 (the later two continue mid-window), then 3
+    decode steps, of a random tiny layer with `numerics=` as given: the outputs, the caches and
+    the picks of each call. Two call lengths: each compiles a step per layer and mode."""
     cfg = DeepseekV4Config.tiny()
     attn = helpers.random_layer(cfg, layer, seed=3, numerics=numerics_setting, **kwargs)
-    x = np.random.default_rng(4).normal(size=(2, 43, cfg.hidden_size)).astype(np.float32)
+    schedule = (13, 13, 13, 1, 1, 1)
+    x = np.random.default_rng(4).normal(size=(2, sum(schedule), cfg.hidden_size)).astype(np.float32)
     cache = attn.init_cache(2, 64)
     runs, start = [], 0
-    for n in (13, 27, 1, 1, 1):
+    for n in schedule:
         pos = np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (2, n))
         out, cache, inter = attn(jnp.asarray(x[:, start:start + n]), jnp.asarray(pos), cache,
                                  return_intermediates=True)
@@ -565,6 +567,9 @@ def test_numerics_is_a_checked_attribute_of_the_step():
 OFFICIAL_GOLDEN = "small_seed0_official.npz"  # small_seed0's calls through HF + the official roundings
 
 
+DEFAULT_NARROW = "narrow-device" if helpers.NATIVE_BUILT else "narrow-host"  # break_mode="narrow"'s placement
+
+
 @pytest.fixture(scope="module")
 def official_golden():
     return helpers.load_golden(OFFICIAL_GOLDEN)
@@ -578,6 +583,12 @@ def test_replays_the_official_golden_calls(official_golden, layer, mode):
     g = official_golden
     if layer != 1 and mode not in ("none", "wide"):
         pytest.skip("same compiled step as 'none' (no indexer)")
+    if mode not in ("none", "wide", DEFAULT_NARROW):
+        # The other modes move only the selection: they replay the reference recording
+        # (test_attention) and agree with "none" under the official numerics
+        # (test_official_numerics_agree_in_every_break_mode); this recording checks XLA's
+        # computation, the wide break's NumPy one and the default mode's.
+        pytest.skip(f"the official recording replays in none, wide and {DEFAULT_NARROW}")
     attn = helpers.golden_layer(g, layer, **helpers.execution(mode), numerics=g.meta["numerics"])
     cache = attn.init_cache(g.batch, sum(g.schedule) + 3)
     for c in range(len(g.schedule)):

@@ -24,8 +24,10 @@ from dsv4_jax.quantized_cache import QuantizedRows, quantized_zeros, read
 LAYERS = pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
 
 
-def _runs(attn, kv_cache_dtype: str, schedule=(13, 27, 1, 1, 1), batch: int = 2, jit: bool = False):
-    """Calls of `attn` over a random input in chunks of `schedule` (outputs, caches, picks)."""
+def _runs(attn, kv_cache_dtype: str, schedule=(13, 13, 13, 1, 1, 1), batch: int = 2, jit: bool = False):
+    """Calls of `attn` over a random input in chunks of `schedule` (outputs, caches, picks): by
+    default a prefill, two prefills continuing mid-window and decode steps in two call lengths
+    (each compiles a step per layer, mode and cache kind)."""
     cfg = attn.config
     x = np.random.default_rng(4).normal(size=(batch, sum(schedule), cfg.hidden_size)).astype(np.float32)
     cache = attn.init_cache(batch, 64, kv_cache_dtype=kv_cache_dtype)
