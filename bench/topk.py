@@ -10,6 +10,11 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               The issue's yardstick: 64 rows of 16k entries, k = 512.
 * ``select``  scoring + top-k for a decode step, queries [B, 1, nI, c] against the key cache
               [B, T, c] in bfloat16: `native.select_topk` against `indexer.select_topk` (XLA).
+* ``select_fp4``  the same decode step over an FP8 cache's MXFP4 keys (68 bytes a key: codes
+              two a byte + a scale byte a block of 32) at long contexts: the handler reading
+              them in their stored form (`native.select_topk_fp4`, the default), against a
+              dequantized bf16 copy handed to `native.select_topk` (`select_keys="dequantized"`),
+              and against a bf16 cache's keys (the same values, 256 bytes a key).
 
 Protocol: each timed program runs the operation `unroll` times on different inputs inside one
 `jax.jit` (so that per-call dispatch, ~60-75 us on the H200, does not hide the kernels), after
@@ -134,11 +139,44 @@ def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: in
                           "dtype": jnp.dtype(dtype).name})
 
 
+def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
+                    seed: int = 2) -> list[dict]:
+    from dsv4_jax.quantized_cache import QuantizedRows
+
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads, dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads)) * heads**-0.5, jnp.float32)
+    # Random codes and scale bytes near 2 ** 0 (what a quantized cache holds; no host-side
+    # quantization of a 1M context's keys needed).
+    codes = jnp.asarray(rng.integers(0, 256, size=(unroll, batch, slots, dim // 2), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(122, 130, size=(unroll, batch, slots, dim // 32), dtype=np.uint8))
+    visible = jnp.full((unroll, batch, 1), slots, jnp.int32)
+    dense = QuantizedRows(values=codes, scales=scales, rope=jnp.zeros((unroll, batch, slots, 0), jnp.bfloat16),
+                          block=32, grid="fp4").dequantize()
+
+    def dequantized(q, w, c, s, dense, v):  # the copy made inside the program, as the layer's step did
+        kk = QuantizedRows(values=c, scales=s, rope=jnp.zeros((*c.shape[:-1], 0), jnp.bfloat16), block=32,
+                           grid="fp4").dequantize()
+        return native.select_topk(q, w, kk, v, top_k=k, graph=True)[0]
+
+    # Every variant takes the same arguments (the keys in both forms); picks are checked equal.
+    variants = {
+        "native-fp4-stored": lambda q, w, c, s, dense, v: native.select_topk_fp4(q, w, c, s, v, top_k=k,
+                                                                                 graph=True)[0],
+        "native-fp4-dequantized": dequantized,
+        "native-bf16-keys": lambda q, w, c, s, dense, v: native.select_topk(q, w, dense, v, top_k=k, graph=True)[0],
+    }
+    return time_variants("select_fp4", variants, (q, w, codes, scales, dense, visible), unroll, repeats,
+                         {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
+                          "key_bytes": {"mxfp4": dim // 2 + dim // 32, "bfloat16": 2 * dim}, "dtype": "mxfp4"})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--cases", default="topk,select,select_fp4", help="which cases to run (comma-separated)")
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each program: kernel time per op (set XLA_FLAGS="
                          "--xla_enable_command_buffers_during_profiling=true to keep CUDA graphs)")
@@ -146,31 +184,43 @@ def main(argv=None) -> None:
     global DEVICE_TIME
     DEVICE_TIME = args.device_time
     records = []
+    cases = set(args.cases.split(","))
     if args.quick:
-        records += topk_case(rows=8, slots=2048, k=64, unroll=4, repeats=5)
-        records += select_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3, dtype=jnp.float32)
+        if "topk" in cases:
+            records += topk_case(rows=8, slots=2048, k=64, unroll=4, repeats=5)
+        if "select" in cases:
+            records += select_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3,
+                                   dtype=jnp.float32)
+        if "select_fp4" in cases:
+            records += select_fp4_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3)
     else:
-        for rows, slots in ((64, 16384), (64, 4096), (64, 131072), (32, 4096), (1, 4096)):
-            records += topk_case(rows=rows, slots=slots, k=512, unroll=10, repeats=args.repeats)
-        for batch, slots in ((1, 512), (1, 4096), (8, 4096), (32, 4096), (32, 512)):
-            records += select_case(batch=batch, slots=slots, heads=64, dim=128, k=512, unroll=10,
-                                   repeats=args.repeats)
+        if "topk" in cases:
+            for rows, slots in ((64, 16384), (64, 4096), (64, 131072), (32, 4096), (1, 4096)):
+                records += topk_case(rows=rows, slots=slots, k=512, unroll=10, repeats=args.repeats)
+        if "select" in cases:
+            for batch, slots in ((1, 512), (1, 4096), (8, 4096), (32, 4096), (32, 512)):
+                records += select_case(batch=batch, slots=slots, heads=64, dim=128, k=512, unroll=10,
+                                       repeats=args.repeats)
+        if "select_fp4" in cases:  # a CSA layer's entries at 128k and 1M tokens of context
+            for batch, slots in ((1, 32768), (8, 32768), (1, 262144), (8, 262144)):
+                records += select_fp4_case(batch=batch, slots=slots, heads=64, dim=128, k=512,
+                                           unroll=4 if batch * slots > 300_000 else 10, repeats=args.repeats)
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax_version": jax.__version__,
             "native": native.native_info(), "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "command": " ".join(["python", "bench/topk.py", *(argv if argv is not None else sys.argv[1:])])}
     for r in records:
         r.update(device=meta["device"], jax_version=meta["jax_version"])
-    print(f"{'case':7} {'variant':14} {'shape':28} {'us/op':>9}  picks==xla")
+    print(f"{'case':10} {'variant':22} {'shape':28} {'us/op':>9}  picks==first variant's")
     for r in records:
         if r.get("skipped"):
-            print(f"{r['case']:7} {r['variant']:14} skipped: {r['skipped']}")
+            print(f"{r['case']:10} {r['variant']:22} skipped: {r['skipped']}")
             continue
         shape = (f"{r['rows']}x{r['slots']} k={r['top_k']}" if r["case"] == "topk"
                  else f"B={r['batch']} T={r['slots']} {r['dtype']}")
         dev_us = f"  device {r['device_us_per_op']:.1f} us in {r['kernels_per_op']:.1f} kernels" \
             if "device_us_per_op" in r else ""
-        print(f"{r['case']:7} {r['variant']:14} {shape:28} {r['us_per_op_median']:9.1f}  {r['picks_equal']}{dev_us}")
+        print(f"{r['case']:10} {r['variant']:22} {shape:28} {r['us_per_op_median']:9.1f}  {r['picks_equal']}{dev_us}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 

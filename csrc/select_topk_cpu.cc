@@ -111,6 +111,26 @@ void Select(const In* queries, const float* weights, const Keys& key_row, const 
   }
 }
 
+// Scores and picks with the key reader `keys_for(In{})` gives for the queries' dtype In
+// (float32 or bfloat16 bits): one dtype switch for both key forms.
+template <typename KeysFor>
+ffi::Error SelectFor(ffi::AnyBuffer& queries, ffi::Buffer<ffi::F32>& weights, ffi::Buffer<ffi::S32>& visible,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& picks, ffi::Result<ffi::Buffer<ffi::F32>>& scores,
+                     const SelectDims& d, KeysFor keys_for) {
+  switch (queries.element_type()) {
+    case ffi::DataType::F32:
+      Select(static_cast<const float*>(queries.untyped_data()), weights.typed_data(), keys_for(float{}),
+             visible.typed_data(), picks->typed_data(), scores->typed_data(), d);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      Select(static_cast<const uint16_t*>(queries.untyped_data()), weights.typed_data(), keys_for(uint16_t{}),
+             visible.typed_data(), picks->typed_data(), scores->typed_data(), d);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("dsv4 select_topk: queries must be float32 or bfloat16");
+  }
+}
+
 ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
                           ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
                           ffi::Result<ffi::Buffer<ffi::F32>> scores,
@@ -124,20 +144,10 @@ ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
   if (queries.element_type() != keys.element_type()) {
     return ffi::Error::InvalidArgument("dsv4 select_topk: queries and keys must share a dtype");
   }
-  switch (queries.element_type()) {
-    case ffi::DataType::F32:
-      Select(static_cast<const float*>(queries.untyped_data()), weights.typed_data(),
-             DenseKeys<float>{static_cast<const float*>(keys.untyped_data())}, visible.typed_data(),
-             picks->typed_data(), scores->typed_data(), d);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      Select(static_cast<const uint16_t*>(queries.untyped_data()), weights.typed_data(),
-             DenseKeys<uint16_t>{static_cast<const uint16_t*>(keys.untyped_data())}, visible.typed_data(),
-             picks->typed_data(), scores->typed_data(), d);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("dsv4 select_topk: queries/keys must be float32 or bfloat16");
-  }
+  return SelectFor(queries, weights, visible, picks, scores, d, [&](auto in) {
+    using In = decltype(in);
+    return DenseKeys<In>{static_cast<const In*>(keys.untyped_data())};
+  });
 }
 
 // The selection over packed FP4 keys (select_topk.h): the same scores as over the keys they
@@ -155,18 +165,7 @@ ffi::Error SelectTopkFp4Impl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weigh
     return e;
   }
   const Fp4Keys keys{codes.typed_data(), key_scales.typed_data()};
-  switch (queries.element_type()) {
-    case ffi::DataType::F32:
-      Select(static_cast<const float*>(queries.untyped_data()), weights.typed_data(), keys, visible.typed_data(),
-             picks->typed_data(), scores->typed_data(), d);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      Select(static_cast<const uint16_t*>(queries.untyped_data()), weights.typed_data(), keys, visible.typed_data(),
-             picks->typed_data(), scores->typed_data(), d);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("dsv4 select_topk: queries must be float32 or bfloat16");
-  }
+  return SelectFor(queries, weights, visible, picks, scores, d, [&](auto) { return keys; });
 }
 
 ffi::Error TopkImpl(ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> visible,

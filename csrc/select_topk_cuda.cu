@@ -230,25 +230,52 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], u
 
 // FP4 keys (Fp4Keys) are not copied with cp.async: a tile's codes (8 bytes = 16 channels a
 // load) and scale bytes are loaded into registers before the previous tile is scored, and
-// dequantized into the bf16 shared rows after it (kFp4Loads loads a thread, dim <= kFp4MaxDim).
-constexpr int kFp4MaxDim = 128;  // V4's index_head_dim; wider keys take the FMA kernel
-constexpr int kFp4Loads = kMmaEntries * (kFp4MaxDim / 16) / (kMmaWarps * 32);
+// dequantized into the bf16 shared rows after it (kLoads loads a thread: dim <= 128 takes 4,
+// dim <= kFp4MaxStaged 8); wider keys are loaded and stored after the tile is scored
+// (kLoads = 0: no registers held across the MMAs, the loads' latency not hidden).
+constexpr int kFp4MaxStaged = 256;
+constexpr int Fp4Loads(int max_dim) { return kMmaEntries * (max_dim / 16) / (kMmaWarps * 32); }
 
-// Sixteen FP4 channels (8 code bytes) times their scale as bf16 into 32 bytes of shared memory.
-__device__ __forceinline__ void StoreFp4AsBf16(__nv_bfloat16* dst, uint2 codes, float scale) {
+// Eight e2m1 codes (a 32-bit word, channel i in bits 4i..4i+3) as four bf16 pairs, unscaled.
+// Byte permutes look the values up (the scoring kernel is bound by this conversion, not by its
+// MMAs, when it is done with float arithmetic): the three magnitude bits of a code select the
+// low and the high byte of its bf16 value from 8-entry tables, its sign bit 0x00 or 0x80.
+__device__ __forceinline__ void Fp4CodesAsBf16(uint32_t codes, uint32_t (&out)[4]) {
+  // bf16 of 0, 0.5, 1, 1.5, 2, 3, 4, 6: 0000 3F00 3F80 3FC0 4000 4040 4080 40C0.
+  constexpr uint32_t kLow0 = 0xC0800000u, kLow1 = 0xC0804000u, kHigh0 = 0x3F3F3F00u, kHigh1 = 0x40404040u;
+  const uint32_t magnitude = codes & 0x77777777u, sign = (codes >> 3) & 0x11111111u;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // channels 4 half .. 4 half + 3
+    const uint32_t m = magnitude >> (16 * half), s = sign >> (16 * half);
+    const uint32_t low = __byte_perm(kLow0, kLow1, m);
+    const uint32_t high = __byte_perm(kHigh0, kHigh1, m) | __byte_perm(0x8000u, 0u, s);
+    out[2 * half] = __byte_perm(low, high, 0x5140);      // channels 4 half, 4 half + 1
+    out[2 * half + 1] = __byte_perm(low, high, 0x7362);  // channels 4 half + 2, 4 half + 3
+  }
+}
+
+// Sixteen FP4 channels (8 code bytes) times their scale (a UE8M0 byte) as bf16 into 32 bytes of
+// shared memory. The bf16 product is exact (a grid value times a power of two; 0 -> +-0, 255 ->
+// +-inf or NaN), so it equals Fp4Keys::At rounded to bf16, as the dense kernel reads the
+// dequantized cache.
+__device__ __forceinline__ void StoreFp4AsBf16(__nv_bfloat16* dst, uint2 codes, uint32_t scale_byte) {
+  const uint32_t scale_bits = (scale_byte << 7) | (scale_byte << 23);
+  const __nv_bfloat162 scale = *reinterpret_cast<const __nv_bfloat162*>(&scale_bits);
   uint32_t packed[8];
+  Fp4CodesAsBf16(codes.x, reinterpret_cast<uint32_t(&)[4]>(packed[0]));
+  Fp4CodesAsBf16(codes.y, reinterpret_cast<uint32_t(&)[4]>(packed[4]));
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const uint32_t byte = ((j < 4 ? codes.x : codes.y) >> (8 * (j & 3))) & 0xFFu;
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(__uint_as_float(Fp4ValueBits(byte & 0xFu)) * scale,
-                                                      __uint_as_float(Fp4ValueBits(byte >> 4)) * scale);
-    packed[j] = *reinterpret_cast<const uint32_t*>(&pair);
+    const __nv_bfloat162 product = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&packed[j]), scale);
+    packed[j] = *reinterpret_cast<const uint32_t*>(&product);
   }
   reinterpret_cast<uint4*>(dst)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   reinterpret_cast<uint4*>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-template <int kHeads, typename Keys>
+// kLoads: FP4 code loads a thread per tile (Fp4Loads of the widest dim it stages; 0: FP4 keys
+// loaded without staging, and dense keys).
+template <int kHeads, typename Keys, int kLoads>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     ScoreKernelMma(const __nv_bfloat16* __restrict__ queries, const float* __restrict__ weights,
                    const Keys keys, const int32_t* __restrict__ visible,
@@ -296,28 +323,42 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   // FP4 keys: tile i's codes and scales into registers (fetch), then as bf16 into buffer i & 1
   // (store); entries past `slots` are zeros, as cp.async fills them.
   const int units = dim / 16;  // 16-channel loads a key
-  uint2 fp4_codes[kFp4Loads];
-  uint32_t fp4_scales[kFp4Loads];
-  auto fetch_fp4 = [&](int i) {
+  const int scale_stride = (dim + kFp4Block - 1) / kFp4Block;
+  uint2 fp4_codes[kLoads > 0 ? kLoads : 1];
+  uint32_t fp4_scales[kLoads > 0 ? kLoads : 1];
+  auto fp4_load = [&](int64_t t0, int v, uint2* codes, uint32_t* scale) {  // load v of a tile from t0
     if constexpr (kFp4) {
-      const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
-#pragma unroll
-      for (int j = 0; j < kFp4Loads; ++j) {
-        const int v = tid + j * kMmaWarps * 32, e = v / units, u = v % units;
-        const bool valid = v < kMmaEntries * units && t0 + e < slots;
-        const int64_t key = b * slots + t0 + e;
-        fp4_codes[j] = valid ? *reinterpret_cast<const uint2*>(keys.codes + key * (dim / 2) + 8 * u) : make_uint2(0, 0);
-        fp4_scales[j] = valid ? keys.scales[key * ((dim + kFp4Block - 1) / kFp4Block) + (16 * u) / kFp4Block] : 0u;
-      }
+      const int e = v / units, u = v % units;
+      const bool valid = v < kMmaEntries * units && t0 + e < slots;
+      const int64_t key = b * slots + t0 + e;
+      *codes = valid ? *reinterpret_cast<const uint2*>(keys.codes + key * (dim / 2) + 8 * u) : make_uint2(0, 0);
+      *scale = valid ? keys.scales[key * scale_stride + (16 * u) / kFp4Block] : 0u;
     }
   };
-  auto store_fp4 = [&](int i) {
+  auto fetch_fp4 = [&](int i) {  // staged (kLoads > 0): tile i's codes into registers
+    if constexpr (kFp4 && kLoads > 0) {
+      const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) fp4_load(t0, tid + j * kMmaWarps * 32, &fp4_codes[j], &fp4_scales[j]);
+    }
+  };
+  auto store_fp4 = [&](int i) {  // ... and from there into buffer i & 1; kLoads == 0: straight from memory
     if constexpr (kFp4) {
       __nv_bfloat16* dst = k_s + (i & 1) * kMmaEntries * ld;
+      if constexpr (kLoads > 0) {
 #pragma unroll
-      for (int j = 0; j < kFp4Loads; ++j) {
-        const int v = tid + j * kMmaWarps * 32, e = v / units, u = v % units;
-        if (v < kMmaEntries * units) StoreFp4AsBf16(dst + e * ld + 16 * u, fp4_codes[j], __uint_as_float(Fp4ScaleBits(fp4_scales[j])));
+        for (int j = 0; j < kLoads; ++j) {
+          const int v = tid + j * kMmaWarps * 32;
+          if (v < kMmaEntries * units) StoreFp4AsBf16(dst + (v / units) * ld + 16 * (v % units), fp4_codes[j], fp4_scales[j]);
+        }
+      } else {
+        const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
+        for (int v = tid; v < kMmaEntries * units; v += kMmaWarps * 32) {
+          uint2 codes;
+          uint32_t scale;
+          fp4_load(t0, v, &codes, &scale);
+          StoreFp4AsBf16(dst + (v / units) * ld + 16 * (v % units), codes, scale);
+        }
       }
     }
   };
@@ -896,11 +937,19 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
                         const int32_t* visible, float* scores, const SelectDims& d) {
   const float scale = static_cast<float>(std::pow(static_cast<double>(d.dim), -0.5));
   if constexpr (std::is_same_v<In, __nv_bfloat16>) {
-    const bool fits = !std::is_same_v<Keys, Fp4Keys> || d.dim <= kFp4MaxDim;
-    if ((d.heads == 16 || d.heads == 32 || d.heads == 64) && d.dim % 16 == 0 && fits) {  // the tensor-core path
-      auto kernel = d.heads == 64   ? ScoreKernelMma<64, Keys>
-                    : d.heads == 32 ? ScoreKernelMma<32, Keys>
-                                    : ScoreKernelMma<16, Keys>;
+    if ((d.heads == 16 || d.heads == 32 || d.heads == 64) && d.dim % 16 == 0) {  // the tensor-core path
+      // FP4 keys: registers staging a tile sized for dim <= 128 (V4's index_head_dim), for dim <=
+      // 256, or no staging; dense keys: cp.async (kLoads unused).
+      constexpr bool kFp4 = std::is_same_v<Keys, Fp4Keys>;
+      constexpr int kNarrow = kFp4 ? Fp4Loads(128) : 0, kWide = kFp4 ? Fp4Loads(kFp4MaxStaged) : 0;
+      const int staging = !kFp4 || d.dim <= 128 ? 0 : d.dim <= kFp4MaxStaged ? 1 : 2;
+      auto pick = [&](auto narrow, auto wide, auto direct) { return staging == 0 ? narrow : staging == 1 ? wide : direct; };
+      auto kernel = d.heads == 64   ? pick(ScoreKernelMma<64, Keys, kNarrow>, ScoreKernelMma<64, Keys, kWide>,
+                                           ScoreKernelMma<64, Keys, 0>)
+                    : d.heads == 32 ? pick(ScoreKernelMma<32, Keys, kNarrow>, ScoreKernelMma<32, Keys, kWide>,
+                                           ScoreKernelMma<32, Keys, 0>)
+                                    : pick(ScoreKernelMma<16, Keys, kNarrow>, ScoreKernelMma<16, Keys, kWide>,
+                                           ScoreKernelMma<16, Keys, 0>);
       const size_t shared = MmaSharedBytes(static_cast<int>(d.heads), static_cast<int>(d.dim));
       if (!ReserveDynamicShared(kernel, shared)) {
         return ffi::Error::InvalidArgument("dsv4 select_topk (CUDA): index_n_heads * index_head_dim too large");
@@ -934,6 +983,35 @@ ffi::Error LastLaunchError() {
   return ffi::Error::Success();
 }
 
+// Scores with the key reader `keys_for(In{})` gives for the queries' dtype In, then the top-k:
+// one dtype switch for both key forms.
+template <typename KeysFor>
+ffi::Error ScoreThenSelect(cudaStream_t stream, ffi::AnyBuffer& queries, ffi::Buffer<ffi::F32>& weights,
+                           ffi::Buffer<ffi::S32>& visible, ffi::Result<ffi::Buffer<ffi::S32>>& picks,
+                           ffi::Result<ffi::Buffer<ffi::F32>>& scores, ffi::Result<ffi::Buffer<ffi::S32>>& workspace,
+                           const SelectDims& d, int64_t segments, KeysFor keys_for) {
+  ffi::Error launched = ffi::Error::Success();
+  switch (queries.element_type()) {
+    case ffi::DataType::F32:
+      launched = LaunchScores<float>(stream, queries.untyped_data(), weights.typed_data(), keys_for(float{}),
+                                     visible.typed_data(), scores->typed_data(), d);
+      break;
+    case ffi::DataType::BF16:
+      launched = LaunchScores<__nv_bfloat16>(stream, queries.untyped_data(), weights.typed_data(),
+                                             keys_for(__nv_bfloat16{}), visible.typed_data(), scores->typed_data(), d);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("dsv4 select_topk: queries must be float32 or bfloat16");
+  }
+  if (launched.failure()) return launched;
+  if (ffi::Error e = LaunchTopk(stream, scores->typed_data(), visible.typed_data(), picks->typed_data(), d,
+                                workspace->typed_data(), segments);
+      e.failure()) {
+    return e;
+  }
+  return LastLaunchError();
+}
+
 ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
                           ffi::AnyBuffer keys, ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
                           ffi::Result<ffi::Buffer<ffi::F32>> scores, ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
@@ -949,30 +1027,11 @@ ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buff
     return ffi::Error::InvalidArgument("dsv4 select_topk: queries and keys must share a dtype");
   }
   if (d.rows * d.seq == 0 || d.slots == 0) return ffi::Error::Success();
-  ffi::Error launched = ffi::Error::Success();
   const int dim = static_cast<int>(d.dim);
-  switch (queries.element_type()) {
-    case ffi::DataType::F32:
-      launched = LaunchScores<float>(stream, queries.untyped_data(), weights.typed_data(),
-                                     DenseKeys<float>{static_cast<const float*>(keys.untyped_data()), d.slots, dim},
-                                     visible.typed_data(), scores->typed_data(), d);
-      break;
-    case ffi::DataType::BF16:
-      launched = LaunchScores<__nv_bfloat16>(
-          stream, queries.untyped_data(), weights.typed_data(),
-          DenseKeys<__nv_bfloat16>{static_cast<const __nv_bfloat16*>(keys.untyped_data()), d.slots, dim},
-          visible.typed_data(), scores->typed_data(), d);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("dsv4 select_topk: queries/keys must be float32 or bfloat16");
-  }
-  if (launched.failure()) return launched;
-  if (ffi::Error e = LaunchTopk(stream, scores->typed_data(), visible.typed_data(), picks->typed_data(), d,
-                                workspace->typed_data(), segments);
-      e.failure()) {
-    return e;
-  }
-  return LastLaunchError();
+  return ScoreThenSelect(stream, queries, weights, visible, picks, scores, workspace, d, segments, [&](auto in) {
+    using In = decltype(in);
+    return DenseKeys<In>{static_cast<const In*>(keys.untyped_data()), d.slots, dim};
+  });
 }
 
 // The selection over an FP8 cache's packed FP4 keys (select_topk.h): the scoring kernels
@@ -993,26 +1052,8 @@ ffi::Error SelectTopkFp4Impl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::B
   if (ffi::Error e = ParseWorkspace(workspace->dimensions(), d, &segments); e.failure()) return e;
   if (d.rows * d.seq == 0 || d.slots == 0) return ffi::Error::Success();
   const Fp4Keys keys{codes.typed_data(), key_scales.typed_data(), d.slots, static_cast<int>(d.dim)};
-  ffi::Error launched = ffi::Error::Success();
-  switch (queries.element_type()) {
-    case ffi::DataType::F32:
-      launched = LaunchScores<float>(stream, queries.untyped_data(), weights.typed_data(), keys, visible.typed_data(),
-                                     scores->typed_data(), d);
-      break;
-    case ffi::DataType::BF16:
-      launched = LaunchScores<__nv_bfloat16>(stream, queries.untyped_data(), weights.typed_data(), keys,
-                                             visible.typed_data(), scores->typed_data(), d);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("dsv4 select_topk: queries must be float32 or bfloat16");
-  }
-  if (launched.failure()) return launched;
-  if (ffi::Error e = LaunchTopk(stream, scores->typed_data(), visible.typed_data(), picks->typed_data(), d,
-                                workspace->typed_data(), segments);
-      e.failure()) {
-    return e;
-  }
-  return LastLaunchError();
+  return ScoreThenSelect(stream, queries, weights, visible, picks, scores, workspace, d, segments,
+                         [&](auto) { return keys; });
 }
 
 ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> visible,

@@ -77,8 +77,8 @@ class KernelPlan:
     select_keys:       "auto" | "stored" | "dequantized"  how the native selection reads an FP8
                        cache's indexer keys: "stored" hands their codes and scale bytes to the
                        handler (`native.select_topk_fp4`), "dequantized" a dequantized copy
-                       (A/B runs; the same picks). "auto": "stored", except on CUDA
-                       ("dequantized" until the CUDA kernels' GPU gate has run).
+                       (A/B runs; the same picks, bit for bit). "auto": "stored" (on the H200
+                       2.6x faster than the copy at B = 8, 1M: bench/RESULTS.md "FP8 caches").
     """
 
     select: str = "auto"
@@ -128,9 +128,7 @@ class KernelPlan:
         stages = {}
         if platform != "cuda":
             stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas")}
-        # CUDA keeps the dequantized copy until the stored-form kernels' GPU gate has run
-        # (tests/test_native.py -k fp4 on the H200; built and CPU-tested, not yet run on a GPU).
-        keys = self.select_keys if self.select_keys != "auto" else ("dequantized" if platform == "cuda" else "stored")
+        keys = self.select_keys if self.select_keys != "auto" else "stored"
         return dataclasses.replace(self, select=select, select_keys=keys, **stages)
 
     def attention(self, phase: str) -> str:

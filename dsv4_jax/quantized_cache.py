@@ -31,8 +31,8 @@ array, in the cache dtype) or, for a CSA decode step, `read_picked` (only the pi
 The readers (sparse attention, the XLA and NumPy scoring) see the same arrays as with a bf16
 cache. The native selection reads the indexer's packed keys itself (`native.select_topk_fp4`,
 chosen by `breaks`: the codes and scale bytes go to the handler, which dequantizes each key
-where it loads it), so a long context's scoring reads 68 bytes a key instead of 256 (on CUDA
-once its GPU gate has run: `kernel_plan.KernelPlan.select_keys`).
+where it loads it), so a long context's scoring reads 68 bytes a key instead of 256
+(`kernel_plan.KernelPlan.select_keys`).
 """
 
 from __future__ import annotations

@@ -214,14 +214,41 @@ def check_native_scores_and_picks(args, graph: bool, top_k: int = 64) -> None:
     np.testing.assert_array_equal(np.asarray(picks), reference_picks(scores, np.asarray(args[3]), top_k))
 
 
+
+@needs_native
+@pytest.mark.parametrize("dim", [128, 256], ids=["staged-4", "staged-8"])
+def test_select_topk_fp4_dequantizes_every_code_at_every_scale(dim):
+    """Every e2m1 code under scale bytes 0-200 (0: an empty row; 1: products below float32's
+    and bf16's normal range; up to 2 ** 73): the stored-form scores equal, bit for bit, the
+    scores over the same keys dequantized by NumPy (exactly, subnormals kept) and handed over
+    as bf16, on the tensor-core path (16 heads, both register stagings) as on the CPU."""
+    from dsv4_jax import numerics
+
+    rng = np.random.default_rng(7)
+    slots = 2 * 201  # two keys a scale byte
+    codes = rng.integers(0, 256, size=(1, slots, dim // 2), dtype=np.uint8)
+    codes[0, : 512 // dim] = np.arange(256, dtype=np.uint8).reshape(-1, dim // 2)  # every code pair
+    scale_bytes = np.repeat(np.arange(201, dtype=np.uint8), 2)[None, :, None].repeat(dim // 32, axis=-1)
+    scales = (scale_bytes.astype(np.uint32) << 23).view(np.float32)
+    dense = (numerics.unpack_fp4(codes) * np.repeat(scales, 32, axis=-1)).astype(jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(1, 2, 16, dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(1, 2, 16)).astype(np.float32))
+    visible = jnp.asarray([[slots, slots - 5]], jnp.int32)
+    picks, scores = jax.jit(lambda *a: native.select_topk_fp4(*a, top_k=64, graph=True))(
+        q, w, jnp.asarray(codes), jnp.asarray(scale_bytes), visible)
+    want_picks, want_scores = native.select_topk(q, w, jnp.asarray(dense), visible, top_k=64, graph=True)
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(want_scores))
+    np.testing.assert_array_equal(np.asarray(picks), np.asarray(want_picks))
+
 @needs_native
 @pytest.mark.parametrize(("heads", "dim", "slots", "dtype"), [
     (64, 128, 2600, jnp.bfloat16),  # V4's indexer: CUDA's tensor-core kernel, keys dequantized into its tiles
     (16, 48, 130, jnp.bfloat16),    # a partial scale block (48 channels: blocks of 32 and 16)
     (64, 128, 300, jnp.float32),    # CUDA's register-tiled FMA kernel
     (4, 16, 45, jnp.float32),       # the generic FMA kernel
-    (16, 256, 70, jnp.bfloat16),    # wider than the tensor-core FP4 path takes: the FMA kernel
-], ids=["v4", "partial-block", "f32-fast", "f32-generic", "wide"])
+    (16, 256, 70, jnp.bfloat16),    # CUDA's tensor-core kernel with the wide keys' register staging
+    (16, 272, 40, jnp.bfloat16),    # wider than the tensor-core FP4 path takes: the FMA kernel
+], ids=["v4", "partial-block", "f32-fast", "f32-generic", "wide", "wider"])
 def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     """An FP8 cache's indexer keys in their stored form (e2m1 codes two a byte, a scale byte a
     block of 32; empty rows of scale 0 included): the same scores, bit for bit, and picks as
@@ -255,9 +282,9 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     lowered = jax.jit(lambda q, w, rows, v: copy.indexer_select()(q, w, rows, v, top_k=64).picks).lower(
         q, w, rows, visible)
     assert "dsv4_select_topk_fp4" not in lowered.as_text() and "dsv4_select_topk" in lowered.as_text()
-    # The default: the stored form where its kernels passed their gate (CUDA's have not run on a GPU yet).
+    # The default everywhere: the stored form.
     assert dsv4_jax.KernelPlan().resolve("cpu", True).select_keys == "stored"
-    assert dsv4_jax.KernelPlan().resolve("cuda", True).select_keys == "dequantized"
+    assert dsv4_jax.KernelPlan().resolve("cuda", True).select_keys == "stored"
     with pytest.raises(ValueError, match=r"kernels\.select_keys"):
         dsv4_jax.KernelPlan(select_keys="packed")
 
