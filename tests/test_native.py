@@ -214,7 +214,6 @@ def check_native_scores_and_picks(args, graph: bool, top_k: int = 64) -> None:
     np.testing.assert_array_equal(np.asarray(picks), reference_picks(scores, np.asarray(args[3]), top_k))
 
 
-
 @needs_native
 @pytest.mark.parametrize("dim", [128, 256], ids=["staged-4", "staged-8"])
 def test_select_topk_fp4_dequantizes_every_code_at_every_scale(dim):
@@ -240,6 +239,7 @@ def test_select_topk_fp4_dequantizes_every_code_at_every_scale(dim):
     np.testing.assert_array_equal(np.asarray(scores), np.asarray(want_scores))
     np.testing.assert_array_equal(np.asarray(picks), np.asarray(want_picks))
 
+
 @needs_native
 @pytest.mark.parametrize(("heads", "dim", "slots", "dtype"), [
     (64, 128, 2600, jnp.bfloat16),  # V4's indexer: CUDA's tensor-core kernel, keys dequantized into its tiles
@@ -247,7 +247,7 @@ def test_select_topk_fp4_dequantizes_every_code_at_every_scale(dim):
     (64, 128, 300, jnp.float32),    # CUDA's register-tiled FMA kernel
     (4, 16, 45, jnp.float32),       # the generic FMA kernel
     (16, 256, 70, jnp.bfloat16),    # CUDA's tensor-core kernel with the wide keys' register staging
-    (16, 272, 40, jnp.bfloat16),    # wider than the tensor-core FP4 path takes: the FMA kernel
+    (16, 272, 40, jnp.bfloat16),    # wider than its staging holds: the tensor-core kernel, tiles unstaged
 ], ids=["v4", "partial-block", "f32-fast", "f32-generic", "wide", "wider"])
 def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     """An FP8 cache's indexer keys in their stored form (e2m1 codes two a byte, a scale byte a
