@@ -22,7 +22,30 @@ from dsv4_jax.diagnostics import run_schedule
 from dsv4_jax.step import compiled_steps
 
 MODES = tuple(EXECUTIONS)  # none (XLA reference), none-native, narrow-host, narrow-device, wide
+DEFAULT_NARROW = "narrow-device" if helpers.NATIVE_BUILT else "narrow-host"  # break_mode="narrow"'s placement
 TOL = 2e-5
+
+
+_REPLAYS: dict = {}
+
+
+def replay(g, layer: int, mode: str) -> list:
+    """Every call of the recording `g` through its layer `layer` in execution mode `mode`, on one
+    cache of sum(schedule) + 3 slots: per call (output, picks or None). Kept for the file: the
+    tests that compare modes on the recorded calls (below) read these very runs (each call
+    length compiles a step per layer and mode, the slow part), and a test that replays through
+    the same steps with other weights (the tie rule, the switched break mode) compiles nothing."""
+    key = (g.name, layer, mode)
+    if key not in _REPLAYS:
+        attn = golden_layer(g, layer, **execution(mode))
+        cache = attn.init_cache(g.batch, sum(g.schedule) + 3)
+        calls = []
+        for c in range(len(g.schedule)):
+            call = g.call(layer, c)
+            out, cache, inter = attn(jnp.asarray(call["hidden"]), call["positions"], cache, return_intermediates=True)
+            calls.append((np.asarray(out), None if inter.topk is None else np.asarray(inter.topk)))
+        _REPLAYS[key] = calls
+    return _REPLAYS[key]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -33,21 +56,91 @@ def test_replays_every_golden_call(golden, layer, mode):
         # (test_layers_without_indexer_share_the_none_step): replaying it again proves nothing.
         pytest.skip("same compiled step as 'none'")
     if golden.name != "small_seed0.npz" and mode not in ("none", "wide"):
-        # Every mode replays small_seed0 (and agrees with "none" on every call schedule below);
-        # the other recording checks the two computations that differ: XLA's and the wide break's NumPy.
+        # Every mode replays small_seed0 (and agrees with "none" bit for bit there:
+        # test_all_execution_modes_agree_on_csa); the other recording checks the two
+        # computations that differ: XLA's and the wide break's NumPy.
         pytest.skip("the native and narrow modes replay small_seed0.npz")
-    attn = golden_layer(golden, layer, **execution(mode))
-    cache = attn.init_cache(golden.batch, sum(golden.schedule) + 3)
-    for c in range(len(golden.schedule)):
+    for c, (out, picks) in enumerate(replay(golden, layer, mode)):
         call = golden.call(layer, c)
-        out, cache, inter = attn(jnp.asarray(call["hidden"]), call["positions"], cache, return_intermediates=True)
         err = rel_err(out, call["out"])
         assert err < TOL, f"{golden.name} layer {layer} call {c} ({mode}): rel err {err:.2e}"
         if "topk" in call:
             np.testing.assert_array_equal(
-                np.asarray(inter.topk), pad_picks(call["topk"], golden.cfg.index_topk),
+                picks, pad_picks(call["topk"], golden.cfg.index_topk),
                 err_msg=f"{golden.name} call {c} ({mode}): indexer picks differ from the reference",
             )
+
+
+def test_all_execution_modes_agree_on_csa(small):
+    """Same picks in every mode; outputs bit-identical wherever only the selection moves (every
+    call of small_seed0: a prefill, decode steps, a prefill continuing mid-window)."""
+    base = replay(small, 1, "none")
+    compared = 0
+    for mode in MODES:
+        if mode == "none" or not helpers.runnable(mode):
+            continue
+        for c, ((out, picks), (base_out, base_picks)) in enumerate(zip(replay(small, 1, mode), base)):
+            np.testing.assert_array_equal(picks, base_picks, err_msg=f"call {c}: picks differ: none vs {mode}")
+            if mode == "wide":  # the wide break runs the same stage math in NumPy instead of XLA
+                assert rel_err(out, base_out) < 1e-6, f"call {c}"
+            else:  # the selection is the only stage that differs, and its picks are equal
+                np.testing.assert_array_equal(out, base_out, err_msg=f"call {c}: {mode}")
+        compared += 1
+    assert compared == (4 if helpers.NATIVE_BUILT else 2)
+
+
+@pytest.mark.parametrize("layer", [0, 2], ids=["sliding", "hca"])
+def test_wide_agrees_with_none_without_indexer(golden, layer):
+    for c, ((out, _), (base_out, _)) in enumerate(zip(replay(golden, layer, "wide"), replay(golden, layer, "none"))):
+        assert rel_err(out, base_out) < 1e-6, f"{golden.name} call {c}"
+
+
+@pytest.mark.parametrize("layer", [0, 2], ids=["sliding", "hca"])
+def test_layers_without_indexer_share_the_none_step(small, layer):
+    """A layer without an indexer has nothing to break: narrow (host or device) and none compile
+    one step; only wide differs."""
+    specs = set()
+    for kwargs in (dict(break_mode="none"), dict(break_mode="narrow", break_on="host"),
+                   dict(break_mode="narrow"), dict(break_mode="none", kernels="native")):
+        attn = dsv4_jax.DeepseekV4Attention(small.cfg, layer, rngs=nnx.Rngs(0), **kwargs)
+        specs.add(attn.step_spec())
+    plan = next(iter(specs)).plan
+    assert len(specs) == 1 and (plan.mode, plan.place, plan.native_select) == ("none", None, False)
+    wide = dsv4_jax.DeepseekV4Attention(small.cfg, layer, rngs=nnx.Rngs(0), break_mode="wide")
+    assert wide.step_spec() not in specs
+
+
+def test_break_mode_can_be_switched_between_calls(small):
+    """The break mode and its placement set between the calls of one cache: small_seed0's calls
+    (the replays' compiled steps) give the default mode's outputs."""
+    attn = golden_layer(small, 1)
+    cache = attn.init_cache(small.batch, sum(small.schedule) + 3)
+    schedule = [("narrow", "host"), ("wide", "auto"), ("none", "auto"), ("narrow", "auto"), ("wide", "host"),
+                ("none", "host")]
+    for c, (mode, place) in zip(range(len(small.schedule)), itertools.cycle(schedule)):
+        attn.break_mode, attn.break_on = mode, place
+        call = small.call(1, c)
+        out, cache, _ = attn(jnp.asarray(call["hidden"]), call["positions"], cache, return_intermediates=True)
+        assert rel_err(out, replay(small, 1, DEFAULT_NARROW)[c][0]) < 1e-6, f"call {c} ({mode}, {place})"
+
+
+def test_ties_go_to_the_lower_entry_index(small):
+    """With zero head weights every score is exactly 0: picks are the first visible entries, in
+    every mode (small_seed0's calls with the indexer's head weights zeroed: the replays' steps)."""
+    cfg = small.cfg
+    for mode in MODES:
+        if not helpers.runnable(mode):
+            continue  # a native mode where the handlers are not built
+        attn = golden_layer(small, 1, **EXECUTIONS[mode])
+        attn.indexer.weights_proj[...] = jnp.zeros_like(attn.indexer.weights_proj[...])
+        cache = attn.init_cache(small.batch, sum(small.schedule) + 3)
+        for c in range(len(small.schedule)):
+            call = small.call(1, c)
+            _, cache, inter = attn(jnp.asarray(call["hidden"]), call["positions"], cache, return_intermediates=True)
+            for b, s in np.ndindex(call["positions"].shape):
+                n = min(cfg.index_topk, (int(call["positions"][b, s]) + 1) // cfg.csa_compress_rate)
+                expected = list(range(n)) + [-1] * (cfg.index_topk - n)
+                assert np.asarray(inter.topk)[b, s].tolist() == expected, f"{mode}, call {c}, row {b}, query {s}"
 
 
 @pytest.mark.parametrize("mode", ["narrow-host", "narrow-device"])
@@ -69,12 +162,12 @@ def test_golden_scores_match_reference(small, mode):
         assert rel_err(ours[seen], ref[seen]) < TOL, f"call {c}: {rel_err(ours[seen], ref[seen]):.2e}"
 
 
-# ---------------------------------------------------------------------------- schedules and modes
-# One set of runs serves the schedule and mode tests below (compiling is the slow part: every
-# call length compiles a step per layer and mode, so the chunked schedule, which every mode runs,
-# has three: a prefill, decode steps up to 31, a prefill continuing mid-window; narrow's other
-# schedules add only short_first's 3; the chunk ends fall inside windows (13, 17, 18, 31, 28, 50)
-# and on their edges (16, 24)).
+# ---------------------------------------------------------------------------- schedules
+# One set of runs serves the schedule tests below (compiling is the slow part: every call length
+# compiles a step per layer and mode; the modes are compared on the recorded calls above). The
+# chunked schedule has three: a prefill, decode steps up to 31, a prefill continuing mid-window;
+# the other schedules add only short_first's 3 and the one-shot 53; the chunk ends fall inside
+# windows (13, 17, 18, 31, 28, 50) and on their edges (16, 24)).
 SEQ = 53
 SCHEDULES = {
     "one_shot": [SEQ],
@@ -93,86 +186,17 @@ def long_input():
 
 @pytest.fixture(scope="module")
 def runs(long_input):
-    """(layer, mode, schedule) -> (outputs [B, N, hidden], the schedule's intermediates, final cache).
-
-    Every schedule in narrow mode (the default, "narrow" below: the device break where the
-    native handlers are built, else the host one); the chunked schedule in every execution
-    mode that differs for the layer (all of them on CSA; none and wide elsewhere). Without an
-    indexer, "none" runs every forward stage in XLA with the default backward choice: where the
-    default forward plan is XLA's too (on a CPU) that is narrow's compiled step, reused
-    (`kernels="xla"` would compile it again, differing only in `attention_backward`).
-    """
+    """(layer, "narrow", schedule) -> (outputs [B, N, hidden], the schedule's intermediates, final
+    cache): every schedule in narrow mode (the default: the device break where the native
+    handlers are built, else the host one)."""
     cfg, x = long_input
     results = {}
-    modes = {"narrow": {}} | {m: kw for m, kw in EXECUTIONS.items() if helpers.runnable(m)}
-    xla_forward = dsv4_jax.KernelPlan(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla")
     for layer in (0, 1, 2):
-        for mode, kwargs in modes.items():
-            if layer != 1 and mode not in ("narrow", "none", "wide"):
-                continue
-            if layer != 1 and mode == "none":
-                kwargs = dict(kwargs, kernels=xla_forward)
-            attn = random_layer(cfg, layer, seed=5, **kwargs)
-            for name, schedule in SCHEDULES.items():
-                if mode == "narrow" or name == "chunked":
-                    out, cache, inter = run_schedule(attn, x, schedule)
-                    results[layer, mode, name] = out, inter, cache
+        attn = random_layer(cfg, layer, seed=5)
+        for name, schedule in SCHEDULES.items():
+            out, cache, inter = run_schedule(attn, x, schedule)
+            results[layer, "narrow", name] = out, inter, cache
     return results
-
-
-def test_all_execution_modes_agree_on_csa(runs):
-    """Same picks in every mode; outputs bit-identical wherever only the selection moves."""
-    base_out, base_inter, _ = runs[1, "none", "chunked"]
-    compared = 0
-    for mode in MODES:
-        if mode == "none" or (1, mode, "chunked") not in runs:
-            continue
-        out, inter, _ = runs[1, mode, "chunked"]
-        np.testing.assert_array_equal(inter.topk, base_inter.topk,
-                                      err_msg=f"picks differ: none vs {mode}")
-        if mode == "wide":  # the wide break runs the same stage math in NumPy instead of XLA
-            assert rel_err(out, base_out) < 1e-6
-        else:  # the selection is the only stage that differs, and its picks are equal
-            np.testing.assert_array_equal(out, base_out, err_msg=mode)
-        compared += 1
-    assert compared == (4 if helpers.NATIVE_BUILT else 2)
-
-
-@pytest.mark.parametrize("layer", [0, 2], ids=["sliding", "hca"])
-def test_wide_agrees_with_none_without_indexer(runs, layer):
-    out, _, _ = runs[layer, "wide", "chunked"]
-    assert rel_err(out, runs[layer, "none", "chunked"][0]) < 1e-6
-
-
-@pytest.mark.parametrize("layer", [0, 2], ids=["sliding", "hca"])
-def test_layers_without_indexer_share_the_none_step(small, layer):
-    """A layer without an indexer has nothing to break: narrow (host or device) and none compile
-    one step; only wide differs."""
-    specs = set()
-    for kwargs in (dict(break_mode="none"), dict(break_mode="narrow", break_on="host"),
-                   dict(break_mode="narrow"), dict(break_mode="none", kernels="native")):
-        attn = dsv4_jax.DeepseekV4Attention(small.cfg, layer, rngs=nnx.Rngs(0), **kwargs)
-        specs.add(attn.step_spec())
-    plan = next(iter(specs)).plan
-    assert len(specs) == 1 and (plan.mode, plan.place, plan.native_select) == ("none", None, False)
-    wide = dsv4_jax.DeepseekV4Attention(small.cfg, layer, rngs=nnx.Rngs(0), break_mode="wide")
-    assert wide.step_spec() not in specs
-
-
-def test_break_mode_can_be_switched_between_calls(long_input, runs):
-    cfg, x = long_input
-    attn = random_layer(cfg, 1, seed=5)
-    cache = attn.init_cache(2, SEQ)
-    outs, start = [], 0
-    schedule = [("narrow", "host"), ("wide", "auto"), ("none", "auto"), ("narrow", "auto"), ("wide", "host"),
-                ("none", "host")]
-    for n, (mode, place) in zip(SCHEDULES["chunked"], itertools.cycle(schedule)):
-        attn.break_mode, attn.break_on = mode, place
-        pos = np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (2, n))
-        out, cache, _ = attn(jnp.asarray(x[:, start:start + n]), pos, cache, return_intermediates=True)
-        outs.append(np.asarray(out))
-        start += n
-    assert rel_err(np.concatenate(outs, 1), runs[1, "narrow", "chunked"][0]) < 1e-6
 
 
 @pytest.mark.parametrize("schedule", ["chunked", "short_first", "token_by_token"])
@@ -219,23 +243,6 @@ def test_future_tokens_do_not_change_past_outputs(runs):
         chunked, _, _ = runs[layer, "narrow", "short_first"]
         one_shot, _, _ = runs[layer, "narrow", "one_shot"]
         assert rel_err(chunked[:, :3], one_shot[:, :3]) < TOL
-
-
-def test_ties_go_to_the_lower_entry_index(long_input, runs):
-    """With zero head weights every score is exactly 0: picks are the first visible entries."""
-    cfg, x = long_input
-    for mode in MODES:
-        if (1, mode, "chunked") not in runs:
-            continue  # a native mode where the handlers are not built
-        attn = random_layer(cfg, 1, seed=2, **EXECUTIONS[mode])
-        attn.indexer.weights_proj[...] = jnp.zeros_like(attn.indexer.weights_proj[...])
-        # The chunked schedule: the steps `runs` compiled for every mode (no compile of its own).
-        _, _, inter = run_schedule(attn, x, SCHEDULES["chunked"])
-        picks = inter.topk
-        for t in range(SEQ):
-            n = min(cfg.index_topk, (t + 1) // cfg.csa_compress_rate)
-            expected = list(range(n)) + [-1] * (cfg.index_topk - n)
-            assert picks[0, t].tolist() == expected, f"{mode}, position {t}"
 
 
 def test_short_context_pads_with_minus_one():
