@@ -9,7 +9,7 @@
 #   train     bench/train.py --size flash $TRAIN_ARGS -> $OUT/train$TRAIN_TAG.json
 #   stack     bench/stack.py --size flash $STACK_ARGS -> $OUT/stack$STACK_TAG.json
 #   run       bench/run.py --size flash $RUN_ARGS -> $OUT/run$RUN_TAG.json
-#   topk      bench/topk.py: the selection alone, device time -> $OUT/topk.json
+#   topk      bench/topk.py $TOPK_ARGS: the selection alone, device time -> $OUT/topk$TOPK_TAG.json
 #   sharded   (kind nvidia-h200-x2) bench/sharded.py --size flash $SHARDED_ARGS -> $OUT/h200x2_sharded.json,
 #             with the command-buffer pass's log and XLA's thunk dumps (which collectives run in graphs)
 #   maxtext   the MaxText and HF peers beside `none` (bench/run.py --peers hf-torch,maxtext-jax), from
@@ -64,7 +64,7 @@ run() {
 
 topk() {
   XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true" timeout "${TOPK_TIMEOUT:-300}" \
-    python3 bench/topk.py --device-time --repeats 10 --json "$OUT/topk.json" 2>&1 | tail -30
+    python3 bench/topk.py --device-time --repeats 10 --json "$OUT/topk${TOPK_TAG:-}.json" ${TOPK_ARGS:-} 2>&1 | tail -30
 }
 
 sharded() {

@@ -47,6 +47,7 @@ def summarize(xplane_path: str, steps: int, module_filter: str | None = None) ->
     """Per-operation device time of a trace, divided by `steps` (see the module docstring)."""
     data = jax.profiler.ProfileData.from_file(xplane_path)
     per_op = collections.defaultdict(lambda: {"us": 0.0, "kernels": 0, "kernel_names": set()})
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])  # kernel name -> [us, count]
     busy_ns = 0.0
     for plane in _device_planes(data):
         for line in plane.lines:
@@ -66,11 +67,18 @@ def summarize(xplane_path: str, steps: int, module_filter: str | None = None) ->
                 rec["kernels"] += 1
                 if len(rec["kernel_names"]) < 3:
                     rec["kernel_names"].add(ev.name[:80])
+                by_name = per_kernel[ev.name[:80]]
+                by_name[0] += ev.duration_ns / 1e3
+                by_name[1] += 1
                 busy_ns += ev.duration_ns
     rows = [{"op": k, "us_per_step": v["us"] / steps, "kernels_per_step": v["kernels"] / steps,
              "kernel_names": sorted(v["kernel_names"])} for k, v in per_op.items()]
     rows.sort(key=lambda r: -r["us_per_step"])
-    return {"rows": rows, "busy_us_per_step": busy_ns / 1e3 / steps,
+    # One XLA operation may launch several kernels (a custom call's scoring and top-k): their
+    # own times, largest first.
+    kernels = [{"kernel": k, "us_per_step": us / steps, "per_step": n / steps}
+               for k, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:20]]
+    return {"rows": rows, "kernels": kernels, "busy_us_per_step": busy_ns / 1e3 / steps,
             "kernels_per_step": sum(r["kernels_per_step"] for r in rows)}
 
 

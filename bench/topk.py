@@ -15,6 +15,10 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               them in their stored form (`native.select_topk_fp4`, the default), against a
               dequantized bf16 copy handed to `native.select_topk` (`select_keys="dequantized"`),
               and against a bf16 cache's keys (the same values, 256 bytes a key).
+* ``select_prefill``  one query block of a long prefill (256 queries on a causal ramp, B = 1,
+              bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
+              the top-k alone on the same scores (with ``--device-time`` each kernel's own time
+              says how the handler splits), and XLA where its [S, nI, T] product fits 2 GiB.
 
 Protocol: each timed program runs the operation `unroll` times on different inputs inside one
 `jax.jit` (so that per-call dispatch, ~60-75 us on the H200, does not hide the kernels), after
@@ -81,7 +85,9 @@ def device_time(fn, args, unroll: int) -> dict:
     return {"device_us_per_op": summary["busy_us_per_step"] / unroll,
             "kernels_per_op": summary["kernels_per_step"] / unroll,
             "device_top_ops": [{k: r[k] for k in ("op", "us_per_step", "kernels_per_step", "kernel_names")}
-                               for r in summary["rows"][:4]]}
+                               for r in summary["rows"][:4]],
+            "device_kernels_per_op": [{"kernel": r["kernel"], "us": r["us_per_step"] / unroll,
+                                       "launches": r["per_step"] / unroll} for r in summary["kernels"][:4]]}
 
 
 def time_variants(case: str, variants: dict, args: tuple, unroll: int, repeats: int, fields: dict) -> list[dict]:
@@ -171,12 +177,40 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
                           "key_bytes": {"mxfp4": dim // 2 + dim // 32, "bfloat16": 2 * dim}, "dtype": "mxfp4"})
 
 
+def select_prefill_case(seq: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
+                        seed: int = 3) -> list[dict]:
+    """One query block of a long prefill chunk: `seq` queries (the layer's indexer block) at the
+    end of a prompt whose last query sees `slots` entries (a causal ramp of one entry in four),
+    B = 1, bf16. The top-k alone on the same scores says how the handler's time splits."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((unroll, 1, seq, heads, dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((unroll, 1, seq, heads)) * heads**-0.5, jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((unroll, 1, slots, dim)), jnp.bfloat16)
+    visible = jnp.asarray(np.broadcast_to(slots - (seq - 1 - np.arange(seq)) // 4, (unroll, 1, seq)), jnp.int32)
+    if native.available(jax.default_backend()):
+        native_scores = jax.jit(lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=True)[1])
+        scores = native_scores(q, w, keys, visible)
+    else:
+        scores = indexer.select_topk(q, w, keys, visible, top_k=k).scores
+    variants = {
+        "native-graph": lambda q, w, kk, v, s: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
+        "native-topk-alone": lambda q, w, kk, v, s: native.topk(s, v, top_k=k, graph=True),
+    }
+    if seq * heads * slots <= 256 * 64 * 32768:  # XLA's [S, nI, T] float32 product: 2 GiB at most
+        variants["xla"] = lambda q, w, kk, v, s: indexer.select_topk(q, w, kk, v, top_k=k).picks
+    return time_variants("select_prefill", variants, (q, w, keys, visible, scores), unroll, repeats,
+                         {"batch": 1, "seq": seq, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
+                          "dtype": "bfloat16", "score_flops": 2.0 * heads * dim * float(np.asarray(visible[0]).sum())})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--cases", default="topk,select,select_fp4", help="which cases to run (comma-separated)")
+    ap.add_argument("--prefill-slots", default="8192,32768,65536,262144",
+                    help="select_prefill: entries the block's last query sees (comma-separated)")
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each program: kernel time per op (set XLA_FLAGS="
                          "--xla_enable_command_buffers_during_profiling=true to keep CUDA graphs)")
@@ -193,6 +227,8 @@ def main(argv=None) -> None:
                                    dtype=jnp.float32)
         if "select_fp4" in cases:
             records += select_fp4_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3)
+        if "select_prefill" in cases:
+            records += select_prefill_case(seq=16, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3)
     else:
         if "topk" in cases:
             for rows, slots in ((64, 16384), (64, 4096), (64, 131072), (32, 4096), (1, 4096)):
@@ -205,6 +241,10 @@ def main(argv=None) -> None:
             for batch, slots in ((1, 32768), (8, 32768), (1, 262144), (8, 262144)):
                 records += select_fp4_case(batch=batch, slots=slots, heads=64, dim=128, k=512,
                                            unroll=4 if batch * slots > 300_000 else 10, repeats=args.repeats)
+        if "select_prefill" in cases:  # a CSA prefill's query block of 256 at 32k, 128k, 256k and 1M tokens
+            for slots in (int(t) for t in args.prefill_slots.split(",")):
+                records += select_prefill_case(seq=256, slots=slots, heads=64, dim=128, k=512,
+                                               unroll=2 if slots > 65536 else 4, repeats=args.repeats)
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax_version": jax.__version__,
             "native": native.native_info(), "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -217,6 +257,7 @@ def main(argv=None) -> None:
             print(f"{r['case']:10} {r['variant']:22} skipped: {r['skipped']}")
             continue
         shape = (f"{r['rows']}x{r['slots']} k={r['top_k']}" if r["case"] == "topk"
+                 else f"S={r['seq']} T={r['slots']} {r['dtype']}" if r["case"] == "select_prefill"
                  else f"B={r['batch']} T={r['slots']} {r['dtype']}")
         dev_us = f"  device {r['device_us_per_op']:.1f} us in {r['kernels_per_op']:.1f} kernels" \
             if "device_us_per_op" in r else ""

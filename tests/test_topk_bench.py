@@ -1,0 +1,45 @@
+"""bench/topk.py (the indexer's selection alone) and the per-kernel split of
+bench/kernel_profile.py, at CPU sizes: what the H200 runs records, and its variants agree."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dsv4_jax import native
+
+
+def test_a_prefill_query_block_records_each_variant_and_its_picks_agree():
+    """`select_prefill`: the native selection, the top-k alone on its scores and the XLA twin
+    pick the same entries for a block of queries on a causal ramp; each record carries the
+    shape and the scoring's FLOPs (2 nI c per visible entry and query)."""
+    from bench import topk
+
+    records = topk.select_prefill_case(seq=8, slots=96, heads=4, dim=16, k=8, unroll=1, repeats=1)
+    by_variant = {r["variant"]: r for r in records}
+    assert set(by_variant) == {"native-graph", "native-topk-alone", "xla"}
+    visible = [96 - (8 - 1 - s) // 4 for s in range(8)]
+    for r in records:
+        if native.available(jax.default_backend()):
+            assert r["picks_equal"], r
+            assert r["us_per_op_median"] > 0 and r["seq"] == 8 and r["slots"] == 96 and r["top_k"] == 8
+            assert r["score_flops"] == pytest.approx(2.0 * 4 * 16 * sum(visible))
+        else:
+            assert "skipped" in r or r["variant"] == "xla"
+
+
+def test_the_profile_splits_an_operation_into_its_kernels(tmp_path):
+    """`kernel_profile.profile` lists, besides the per-operation rows, the kernels by name (an
+    operation such as the selection's custom call launches two): times per step, largest first,
+    within the device's busy time."""
+    from bench import kernel_profile
+
+    x = jnp.ones((64, 64), jnp.float32)
+    fn = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    summary = kernel_profile.profile(lambda: jax.block_until_ready(fn(x)), 2, str(tmp_path))
+    kernels = summary["kernels"]
+    assert kernels and all(set(k) == {"kernel", "us_per_step", "per_step"} for k in kernels)
+    times = [k["us_per_step"] for k in kernels]
+    assert times == sorted(times, reverse=True)
+    assert sum(times) <= summary["busy_us_per_step"] * (1 + 1e-9)
