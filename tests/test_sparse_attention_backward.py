@@ -8,6 +8,8 @@ to the XLA VJP's own bf16 error.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,8 +56,9 @@ def test_backward_kernel_equals_the_xla_vjp_in_float32(kind, s, blocks):
     # two head blocks of 2 (prefill) or one of 4 (decode).
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=3, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32, s=s)
     do = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
-    got = kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret=True, **blocks)
-    assert_close(got, xla_vjp(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
+    # Jitted, as a training step runs them: one program a side (eagerly every operation compiles on its own).
+    got = jax.jit(functools.partial(kernel_vjp, interpret=True, **blocks))(q, pool, widx, sinks, kwargs, do)
+    assert_close(got, jax.jit(xla_vjp)(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
 
 
 def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
@@ -71,7 +74,8 @@ def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
                                     precision=jax.lax.Precision.HIGHEST).o
             return jnp.sum(jnp.sin(o))
 
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, pool, sinks, kwargs["entries"])
+        # Jitted, as a training step takes it (eagerly every operation compiles on its own).
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, pool, sinks, kwargs["entries"])
 
     assert_close(grads("auto"), grads("xla"), rtol=1e-5)
 

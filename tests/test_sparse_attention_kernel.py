@@ -52,18 +52,31 @@ XLA = KernelPlan.named("xla")
 INTERPRET = KernelPlan.named("interpret")
 
 
-def _xla(q, pool, widx, sinks, kwargs):
+def _xla_path(q, pool, widx, sinks, kwargs):
     # HIGHEST, as the layer passes for float32 (a GPU would otherwise use TF32 for the dots).
-    return np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs, precision=jax.lax.Precision.HIGHEST,
-                                          kernels=XLA).o, np.float32)
+    return sa.sparse_attention(q, pool, widx, sinks, **kwargs, precision=jax.lax.Precision.HIGHEST, kernels=XLA).o
+
+
+def _jit_if_float32(fn, q):
+    """float32 calls run jitted, as the layer's step runs them: one program a call shape (run
+    eagerly, every operation compiles on its own, for each shape). bf16 calls run eagerly, every
+    operation rounding its result: the XLA path's own bf16 error, the yardstick of the bf16 tests."""
+    return jax.jit(fn) if q.dtype == jnp.float32 else fn
+
+
+def _xla(q, pool, widx, sinks, kwargs):
+    return np.asarray(_jit_if_float32(_xla_path, q)(q, pool, widx, sinks, kwargs), np.float32)
 
 
 def kernel_path(q, pool, widx, sinks, kwargs, **blocks):
     # Triton on CUDA where it takes the shapes (dots of >= 16 in every dimension), else interpret mode.
     triton_ok = sak.supported_on_gpu(q, **blocks)
     interpret = not (ON_GPU and triton_ok)
-    return np.asarray(sak.sparse_attention_kernel(q, pool, widx, sinks, interpret=interpret, **kwargs, **blocks),
-                      np.float32)
+
+    def kernel(q, pool, widx, sinks, kwargs):
+        return sak.sparse_attention_kernel(q, pool, widx, sinks, interpret=interpret, **kwargs, **blocks)
+
+    return np.asarray(_jit_if_float32(kernel, q)(q, pool, widx, sinks, kwargs), np.float32)
 
 
 BLOCKS = [dict(block_keys=4, block_heads=2, splits=1),
@@ -146,28 +159,37 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
     kw16 = {n: (v.astype(jnp.bfloat16) if n == "entries" else v) for n, v in kwargs.items()}
-    sa.sparse_attention(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), widx, sinks, **kw16, kernels=INTERPRET)
+    # Traced only: the blocks are chosen, and the kernel called with them, while tracing.
+    jax.eval_shape(lambda: sa.sparse_attention(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), widx, sinks,
+                                               **kw16, kernels=INTERPRET))
     assert {n: calls[-1][n] for n in blocks} == blocks
-    got = np.asarray(real(q, pool, widx, sinks, **kwargs, **blocks, interpret=True), np.float32)
+    kernel = jax.jit(lambda *args: real(*args[:4], **args[4], **blocks, interpret=True))
+    got = np.asarray(kernel(q, pool, widx, sinks, kwargs), np.float32)
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("s", [1, 4], ids=["decode", "prefill"])
 def test_sparse_attention_chooses_the_kernel_only_where_asked(s, monkeypatch):
+    """The path is chosen while tracing (the calls are traced only, `jax.eval_shape`); what the
+    kernel computes: the tests above."""
     q, pool, widx, sinks, kwargs = query_inputs("csa", b=1, h=4, d=8, w=4, t=6, k=3, dtype=jnp.float32, s=s)
     stage, other = ("decode_attention", "prefill_attention") if s == 1 else ("prefill_attention", "decode_attention")
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs, kernels=KernelPlan(**{other: "interpret"}))
+
+    def trace(**options):
+        jax.eval_shape(lambda: sa.sparse_attention(q, pool, widx, sinks, **kwargs, **options))
+
+    trace(kernels=KernelPlan(**{other: "interpret"}))
     assert not calls  # the other phase's choice does not reach this call
     asked = KernelPlan(**{stage: "interpret"})
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs, kernels=asked)
+    trace(kernels=asked)
     assert calls and calls[-1]["interpret"] is True
     calls.clear()
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs, with_mass=True, kernels=asked)  # masses: the XLA path
+    trace(with_mass=True, kernels=asked)  # masses: the XLA path
     assert not calls
-    sa.sparse_attention(q, pool, widx, sinks, **kwargs)  # the default: shapes Triton cannot take stay on XLA
+    trace()  # the default: shapes Triton cannot take stay on XLA
     assert not calls
 
 
@@ -179,7 +201,8 @@ def test_forced_prefill_blocks_may_skip_masked_entry_blocks(monkeypatch):
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
-    got = np.asarray(sa.sparse_attention(q, pool, widx, sinks, **kwargs, kernels=plan).o, np.float32)
+    forced = jax.jit(lambda *args: sa.sparse_attention(*args[:4], **args[4], kernels=plan).o)
+    got = np.asarray(forced(q, pool, widx, sinks, kwargs), np.float32)
     assert calls[-1]["skip_masked_blocks"] is True
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
