@@ -18,7 +18,9 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
 * ``select_prefill``  one query block of a long prefill (256 queries on a causal ramp, B = 1,
               bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
               the top-k alone on the same scores (with ``--device-time`` each kernel's own time
-              says how the handler splits), and XLA where its [S, nI, T] product fits 2 GiB.
+              says how the handler splits), the candidate Pallas scoring (bench/score_kernel.py,
+              one or two query rows a program) followed by the native top-k, and XLA where its
+              [S, nI, T] product fits 2 GiB.
 
 Protocol: each timed program runs the operation `unroll` times on different inputs inside one
 `jax.jit` (so that per-call dispatch, ~60-75 us on the H200, does not hide the kernels), after
@@ -46,6 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import score_kernel  # noqa: E402
 from dsv4_jax import indexer, native  # noqa: E402
 
 
@@ -192,9 +195,20 @@ def select_prefill_case(seq: int, slots: int, heads: int, dim: int, k: int, unro
         scores = native_scores(q, w, keys, visible)
     else:
         scores = indexer.select_topk(q, w, keys, visible, top_k=k).scores
+    interpret = jax.default_backend() != "gpu"
+
+    def pallas_scores(rows):  # the candidate kernel (bench/score_kernel.py), then the native top-k
+        def op(q, w, kk, v, s):
+            flat = score_kernel.scores(q.reshape(-1, heads, dim), w.reshape(-1, heads), kk, v.reshape(-1),
+                                       rows_per_batch=seq, rows=rows, interpret=interpret)
+            return native.topk(flat.reshape(1, seq, slots), v, top_k=k, graph=True)
+        return op
+
     variants = {
         "native-graph": lambda q, w, kk, v, s: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
         "native-topk-alone": lambda q, w, kk, v, s: native.topk(s, v, top_k=k, graph=True),
+        "native-pallas-scores+topk": pallas_scores(1),
+        "native-pallas-scores-2-rows+topk": pallas_scores(2),
     }
     if seq * heads * slots <= 256 * 64 * 32768:  # XLA's [S, nI, T] float32 product: 2 GiB at most
         variants["xla"] = lambda q, w, kk, v, s: indexer.select_topk(q, w, kk, v, top_k=k).picks

@@ -11,14 +11,16 @@ from dsv4_jax import native
 
 
 def test_a_prefill_query_block_records_each_variant_and_its_picks_agree():
-    """`select_prefill`: the native selection, the top-k alone on its scores and the XLA twin
-    pick the same entries for a block of queries on a causal ramp; each record carries the
-    shape and the scoring's FLOPs (2 nI c per visible entry and query)."""
+    """`select_prefill`: the native selection, the top-k alone on its scores, the candidate
+    Pallas scoring (bench/score_kernel.py, interpret mode here) followed by the native top-k,
+    and the XLA twin pick the same entries for a block of queries on a causal ramp; each record
+    carries the shape and the scoring's FLOPs (2 nI c per visible entry and query)."""
     from bench import topk
 
     records = topk.select_prefill_case(seq=8, slots=96, heads=4, dim=16, k=8, unroll=1, repeats=1)
     by_variant = {r["variant"]: r for r in records}
-    assert set(by_variant) == {"native-graph", "native-topk-alone", "xla"}
+    assert set(by_variant) == {"native-graph", "native-topk-alone", "native-pallas-scores+topk",
+                               "native-pallas-scores-2-rows+topk", "xla"}
     visible = [96 - (8 - 1 - s) // 4 for s in range(8)]
     for r in records:
         if native.available(jax.default_backend()):
@@ -43,3 +45,57 @@ def test_the_profile_splits_an_operation_into_its_kernels(tmp_path):
     times = [k["us_per_step"] for k in kernels]
     assert times == sorted(times, reverse=True)
     assert sum(times) <= summary["busy_us_per_step"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_the_candidate_pallas_scoring_equals_the_xla_twin(rows):
+    """bench/score_kernel.py (interpret mode): the XLA twin's scores (`indexer.index_scores`)
+    within float32 rounding of the sums, -inf exactly where an entry is not visible (rows that
+    see nothing, one entry, a block's edge, every entry; blocks past every row's entries not
+    loaded), for one, two and four query rows a program; a row count that does not divide S is
+    refused."""
+    import numpy as np
+
+    from bench import score_kernel
+    from dsv4_jax import indexer
+
+    rng = np.random.default_rng(0)
+    batch, seq, heads, dim, slots = 2, 4, 16, 32, 300
+    q = jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((batch, seq, heads)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((batch, slots, dim)), jnp.bfloat16)
+    visible = jnp.asarray([[0, 5, 128, 300], [299, 17, 64, 1]], jnp.int32)
+    got = np.asarray(score_kernel.scores(q.reshape(-1, heads, dim), w.reshape(-1, heads), keys, visible.reshape(-1),
+                                         rows_per_batch=seq, rows=rows, block=16, tiles=4, interpret=True))
+    want = np.asarray(indexer.index_scores(q.astype(jnp.float32), w, keys.astype(jnp.float32), visible))
+    want = want.reshape(batch * seq, slots)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    seen = np.isfinite(want)
+    np.testing.assert_allclose(got[seen], want[seen], rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="S % rows == 0"):
+        score_kernel.scores(q.reshape(-1, heads, dim), w.reshape(-1, heads), keys, visible.reshape(-1),
+                            rows_per_batch=seq, rows=3, interpret=True)
+
+
+def test_the_candidate_lowers_to_a_triton_kernel_for_cuda():
+    """At V4's sizes (nI = 64, c = 128, a query block of 256 against 8,192 entries) the kernel
+    lowers, on this CPU, to the Triton custom call a GPU compiles: what interpret mode cannot
+    check (the Triton lowering of its loop, dot and reductions)."""
+    from bench import score_kernel
+
+    rows_total, heads, dim, slots = 256, 64, 128, 8192
+    args = (jax.ShapeDtypeStruct((rows_total, heads, dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((rows_total, heads), jnp.float32),
+            jax.ShapeDtypeStruct((1, slots, dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((rows_total,), jnp.int32))
+    for rows in (1, 2):
+        def step(q, w, k, v, rows=rows):
+            return score_kernel.scores(q, w, k, v, rows_per_batch=rows_total, rows=rows)
+
+        try:
+            text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        except RuntimeError as err:  # jax >= 0.12 reads the GPU's compute capability here
+            if "No supported GPU devices found" not in str(err):
+                raise
+            pytest.skip("this jax lowers Pallas' Triton kernels only where a GPU is present")
+        assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, text[:2000]
