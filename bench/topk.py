@@ -19,7 +19,7 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
               the top-k alone on the same scores (with ``--device-time`` each kernel's own time
               says how the handler splits), the candidate Pallas scoring (bench/score_kernel.py,
-              one or two query rows a program) followed by the native top-k, and XLA where its
+              each of ``--pallas-configs``) followed by the native top-k, and XLA where its
               [S, nI, T] product fits 2 GiB.
 
 Protocol: each timed program runs the operation `unroll` times on different inputs inside one
@@ -180,8 +180,24 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
                           "key_bytes": {"mxfp4": dim // 2 + dim // 32, "bfloat16": 2 * dim}, "dtype": "mxfp4"})
 
 
+# The candidate Pallas scoring's configurations (`--pallas-configs`): rows a program, entries a
+# block, blocks a program, Triton warps, pipeline stages.
+PALLAS_CONFIGS = "1:128:8:4:3,2:128:8:4:3"
+
+
+def pallas_configs(spec: str) -> list[dict]:
+    keys = ("rows", "block", "tiles", "num_warps", "num_stages")
+    out = []
+    for item in filter(None, spec.split(",")):
+        values = item.split(":")
+        if len(values) != len(keys) or not all(v.isdigit() and int(v) > 0 for v in values):
+            raise ValueError(f"--pallas-configs: expected rows:block:tiles:warps:stages items, got {item!r}")
+        out.append(dict(zip(keys, map(int, values))))
+    return out
+
+
 def select_prefill_case(seq: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
-                        seed: int = 3) -> list[dict]:
+                        seed: int = 3, configs: str = PALLAS_CONFIGS) -> list[dict]:
     """One query block of a long prefill chunk: `seq` queries (the layer's indexer block) at the
     end of a prompt whose last query sees `slots` entries (a causal ramp of one entry in four),
     B = 1, bf16. The top-k alone on the same scores says how the handler's time splits."""
@@ -197,19 +213,20 @@ def select_prefill_case(seq: int, slots: int, heads: int, dim: int, k: int, unro
         scores = indexer.select_topk(q, w, keys, visible, top_k=k).scores
     interpret = jax.default_backend() != "gpu"
 
-    def pallas_scores(rows):  # the candidate kernel (bench/score_kernel.py), then the native top-k
+    def pallas_scores(config):  # the candidate kernel (bench/score_kernel.py), then the native top-k
         def op(q, w, kk, v, s):
             flat = score_kernel.scores(q.reshape(-1, heads, dim), w.reshape(-1, heads), kk, v.reshape(-1),
-                                       rows_per_batch=seq, rows=rows, interpret=interpret)
+                                       rows_per_batch=seq, interpret=interpret, **config)
             return native.topk(flat.reshape(1, seq, slots), v, top_k=k, graph=True)
         return op
 
     variants = {
         "native-graph": lambda q, w, kk, v, s: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
         "native-topk-alone": lambda q, w, kk, v, s: native.topk(s, v, top_k=k, graph=True),
-        "native-pallas-scores+topk": pallas_scores(1),
-        "native-pallas-scores-2-rows+topk": pallas_scores(2),
     }
+    for c in pallas_configs(configs):
+        name = "native-pallas-scores[r{rows} b{block} t{tiles} w{num_warps} s{num_stages}]+topk".format(**c)
+        variants[name] = pallas_scores(c)
     if seq * heads * slots <= 256 * 64 * 32768:  # XLA's [S, nI, T] float32 product: 2 GiB at most
         variants["xla"] = lambda q, w, kk, v, s: indexer.select_topk(q, w, kk, v, top_k=k).picks
     return time_variants("select_prefill", variants, (q, w, keys, visible, scores), unroll, repeats,
@@ -225,6 +242,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default="topk,select,select_fp4", help="which cases to run (comma-separated)")
     ap.add_argument("--prefill-slots", default="8192,32768,65536,262144",
                     help="select_prefill: entries the block's last query sees (comma-separated)")
+    ap.add_argument("--pallas-configs", default=PALLAS_CONFIGS,
+                    help="select_prefill: the candidate Pallas scoring's configurations, "
+                         "rows:block:tiles:warps:stages[,...] (bench/score_kernel.py)")
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each program: kernel time per op (set XLA_FLAGS="
                          "--xla_enable_command_buffers_during_profiling=true to keep CUDA graphs)")
@@ -242,7 +262,8 @@ def main(argv=None) -> None:
         if "select_fp4" in cases:
             records += select_fp4_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3)
         if "select_prefill" in cases:
-            records += select_prefill_case(seq=16, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3)
+            records += select_prefill_case(seq=16, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3,
+                                           configs=args.pallas_configs)
     else:
         if "topk" in cases:
             for rows, slots in ((64, 16384), (64, 4096), (64, 131072), (32, 4096), (1, 4096)):
@@ -258,6 +279,7 @@ def main(argv=None) -> None:
         if "select_prefill" in cases:  # a CSA prefill's query block of 256 at 32k, 128k, 256k and 1M tokens
             for slots in (int(t) for t in args.prefill_slots.split(",")):
                 records += select_prefill_case(seq=256, slots=slots, heads=64, dim=128, k=512,
+                                               configs=args.pallas_configs,
                                                unroll=2 if slots > 65536 else 4, repeats=args.repeats)
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax_version": jax.__version__,

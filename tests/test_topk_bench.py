@@ -17,10 +17,11 @@ def test_a_prefill_query_block_records_each_variant_and_its_picks_agree():
     carries the shape and the scoring's FLOPs (2 nI c per visible entry and query)."""
     from bench import topk
 
-    records = topk.select_prefill_case(seq=8, slots=96, heads=4, dim=16, k=8, unroll=1, repeats=1)
+    records = topk.select_prefill_case(seq=8, slots=96, heads=4, dim=16, k=8, unroll=1, repeats=1,
+                                       configs="1:32:2:4:3,2:16:4:4:2")
     by_variant = {r["variant"]: r for r in records}
-    assert set(by_variant) == {"native-graph", "native-topk-alone", "native-pallas-scores+topk",
-                               "native-pallas-scores-2-rows+topk", "xla"}
+    assert set(by_variant) == {"native-graph", "native-topk-alone", "native-pallas-scores[r1 b32 t2 w4 s3]+topk",
+                               "native-pallas-scores[r2 b16 t4 w4 s2]+topk", "xla"}
     visible = [96 - (8 - 1 - s) // 4 for s in range(8)]
     for r in records:
         if native.available(jax.default_backend()):
@@ -29,6 +30,8 @@ def test_a_prefill_query_block_records_each_variant_and_its_picks_agree():
             assert r["score_flops"] == pytest.approx(2.0 * 4 * 16 * sum(visible))
         else:
             assert "skipped" in r or r["variant"] == "xla"
+    with pytest.raises(ValueError, match="rows:block:tiles:warps:stages"):
+        topk.pallas_configs("1:128:8")
 
 
 def test_the_profile_splits_an_operation_into_its_kernels(tmp_path):
