@@ -14,7 +14,8 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               two a byte + a scale byte a block of 32) at long contexts: the handler reading
               them in their stored form (`native.select_topk_fp4`, the default), against a
               dequantized bf16 copy handed to `native.select_topk` (`select_keys="dequantized"`),
-              and against a bf16 cache's keys (the same values, 256 bytes a key).
+              and against a bf16 cache's keys (the same values, 256 bytes a key), and the
+              candidate Pallas scoring over those (``--pallas-configs`` of one row a program).
 * ``select_prefill``  one query block of a long prefill (256 queries on a causal ramp, B = 1,
               bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
               the top-k alone on the same scores (with ``--device-time`` each kernel's own time
@@ -149,7 +150,7 @@ def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: in
 
 
 def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
-                    seed: int = 2) -> list[dict]:
+                    seed: int = 2, configs: str = "") -> list[dict]:
     from dsv4_jax.quantized_cache import QuantizedRows
 
     rng = np.random.default_rng(seed)
@@ -175,6 +176,10 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
         "native-fp4-dequantized": dequantized,
         "native-bf16-keys": lambda q, w, c, s, dense, v: native.select_topk(q, w, dense, v, top_k=k, graph=True)[0],
     }
+    for config in pallas_configs(configs):  # the candidate scoring over the bf16 keys (one query a row)
+        if config["rows"] == 1:
+            select = pallas_select(config, k)
+            variants[pallas_name(config)] = lambda q, w, c, s, dense, v, select=select: select(q, w, dense, v)
     return time_variants("select_fp4", variants, (q, w, codes, scales, dense, visible), unroll, repeats,
                          {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
                           "key_bytes": {"mxfp4": dim // 2 + dim // 32, "bfloat16": 2 * dim}, "dtype": "mxfp4"})
@@ -196,6 +201,23 @@ def pallas_configs(spec: str) -> list[dict]:
     return out
 
 
+def pallas_name(config: dict) -> str:
+    return "native-pallas-scores[r{rows} b{block} t{tiles} w{num_warps} s{num_stages}]+topk".format(**config)
+
+
+def pallas_select(config: dict, k: int):
+    """picks of queries [B, S, nI, c] against keys [B, T, c]: the candidate scoring kernel
+    (bench/score_kernel.py; interpret mode off the GPU), then the native top-k."""
+
+    def select(q, w, keys, visible):
+        batch, seq, heads, dim = q.shape
+        flat = score_kernel.scores(q.reshape(-1, heads, dim), w.reshape(-1, heads), keys, visible.reshape(-1),
+                                   rows_per_batch=seq, interpret=jax.default_backend() != "gpu", **config)
+        return native.topk(flat.reshape(batch, seq, keys.shape[1]), visible, top_k=k, graph=True)
+
+    return select
+
+
 def select_prefill_case(seq: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
                         seed: int = 3, configs: str = PALLAS_CONFIGS) -> list[dict]:
     """One query block of a long prefill chunk: `seq` queries (the layer's indexer block) at the
@@ -211,22 +233,13 @@ def select_prefill_case(seq: int, slots: int, heads: int, dim: int, k: int, unro
         scores = native_scores(q, w, keys, visible)
     else:
         scores = indexer.select_topk(q, w, keys, visible, top_k=k).scores
-    interpret = jax.default_backend() != "gpu"
-
-    def pallas_scores(config):  # the candidate kernel (bench/score_kernel.py), then the native top-k
-        def op(q, w, kk, v, s):
-            flat = score_kernel.scores(q.reshape(-1, heads, dim), w.reshape(-1, heads), kk, v.reshape(-1),
-                                       rows_per_batch=seq, interpret=interpret, **config)
-            return native.topk(flat.reshape(1, seq, slots), v, top_k=k, graph=True)
-        return op
-
     variants = {
         "native-graph": lambda q, w, kk, v, s: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
         "native-topk-alone": lambda q, w, kk, v, s: native.topk(s, v, top_k=k, graph=True),
     }
     for c in pallas_configs(configs):
-        name = "native-pallas-scores[r{rows} b{block} t{tiles} w{num_warps} s{num_stages}]+topk".format(**c)
-        variants[name] = pallas_scores(c)
+        select = pallas_select(c, k)
+        variants[pallas_name(c)] = lambda q, w, kk, v, s, select=select: select(q, w, kk, v)
     if seq * heads * slots <= 256 * 64 * 32768:  # XLA's [S, nI, T] float32 product: 2 GiB at most
         variants["xla"] = lambda q, w, kk, v, s: indexer.select_topk(q, w, kk, v, top_k=k).picks
     return time_variants("select_prefill", variants, (q, w, keys, visible, scores), unroll, repeats,
@@ -243,7 +256,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-slots", default="8192,32768,65536,262144",
                     help="select_prefill: entries the block's last query sees (comma-separated)")
     ap.add_argument("--pallas-configs", default=PALLAS_CONFIGS,
-                    help="select_prefill: the candidate Pallas scoring's configurations, "
+                    help="select_prefill, select_fp4: the candidate Pallas scoring's configurations, "
                          "rows:block:tiles:warps:stages[,...] (bench/score_kernel.py)")
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each program: kernel time per op (set XLA_FLAGS="
@@ -260,7 +273,8 @@ def main(argv=None) -> None:
             records += select_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3,
                                    dtype=jnp.float32)
         if "select_fp4" in cases:
-            records += select_fp4_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3)
+            records += select_fp4_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3,
+                                       configs=args.pallas_configs)
         if "select_prefill" in cases:
             records += select_prefill_case(seq=16, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3,
                                            configs=args.pallas_configs)
@@ -275,7 +289,8 @@ def main(argv=None) -> None:
         if "select_fp4" in cases:  # a CSA layer's entries at 128k and 1M tokens of context
             for batch, slots in ((1, 32768), (8, 32768), (1, 262144), (8, 262144)):
                 records += select_fp4_case(batch=batch, slots=slots, heads=64, dim=128, k=512,
-                                           unroll=4 if batch * slots > 300_000 else 10, repeats=args.repeats)
+                                           unroll=4 if batch * slots > 300_000 else 10, repeats=args.repeats,
+                                           configs=args.pallas_configs)
         if "select_prefill" in cases:  # a CSA prefill's query block of 256 at 32k, 128k, 256k and 1M tokens
             for slots in (int(t) for t in args.prefill_slots.split(",")):
                 records += select_prefill_case(seq=256, slots=slots, heads=64, dim=128, k=512,

@@ -50,6 +50,21 @@ def test_the_profile_splits_an_operation_into_its_kernels(tmp_path):
     assert sum(times) <= summary["busy_us_per_step"] * (1 + 1e-9)
 
 
+def test_a_decode_step_over_fp4_keys_times_the_candidate_on_their_bf16_values():
+    """`select_fp4`: the stored-form selection, the dequantized copy, the bf16 keys and the
+    candidate Pallas scoring over them (configurations of one query row a program only) pick
+    alike."""
+    from bench import topk
+
+    records = topk.select_fp4_case(batch=2, slots=64, heads=16, dim=32, k=8, unroll=1, repeats=1,
+                                   configs="1:32:2:4:3,2:32:2:4:3")
+    names = [r["variant"] for r in records]
+    assert names == ["native-fp4-stored", "native-fp4-dequantized", "native-bf16-keys",
+                     "native-pallas-scores[r1 b32 t2 w4 s3]+topk"]
+    if native.available(jax.default_backend()):
+        assert all(r["picks_equal"] for r in records), records
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_the_candidate_pallas_scoring_equals_the_xla_twin(rows):
     """bench/score_kernel.py (interpret mode): the XLA twin's scores (`indexer.index_scores`)
