@@ -5,8 +5,8 @@ Why (bench/RESULTS.md, "Where a CSA prefill goes", session 42): the native handl
 kernel (csrc/select_topk_cuda.cu `ScoreKernelMma`, `mma.sync`) runs at ~175 TFLOP/s, 22% of the
 rate the floor assumes, and sets CSA's long-prefill ratio; three variants of it measured no
 better. Hopper's full bf16 rate comes through `wgmma`. Not in the package until it measures
-faster on the H200 (`python3 bench/topk.py --device-time --cases select_prefill`, variant
-"pallas-scores+native-topk"); if it does not, it leaves main.
+faster on the H200 (`python3 bench/topk.py --device-time --cases select_prefill,select_fp4
+--pallas-configs ...`, variants "native-pallas-scores[...]+topk"); if it does not, it leaves main.
 
     scores(queries [R, nI, c] bf16, weights f32 [R, nI], keys [B, T, c] bf16, visible int32 [R],
            rows_per_batch=S)  ->  f32 [R, T]
@@ -74,7 +74,8 @@ def _kernel(visible_ref, q_ref, w_ref, keys_ref, out_ref, *, rows: int, block: i
                                              "num_stages", "interpret"))
 def scores(queries, weights, keys, visible, *, rows_per_batch: int, rows: int = ROWS, block: int = BLOCK,
            tiles: int = TILES, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """float32 [R, T] scores (see the module doc); T is padded to whole programs internally."""
+    """float32 [R, T] scores (see the module doc). Keys whose T is not a multiple of
+    block * tiles are padded to one (a copy: real caches hold a power of two of entries)."""
     n_rows, heads, dim = queries.shape
     batch, slots, _ = keys.shape
     if n_rows != batch * rows_per_batch or rows_per_batch % rows:
