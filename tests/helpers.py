@@ -92,15 +92,42 @@ def execution(name: str) -> dict:
     return dict(EXECUTIONS[name])
 
 
+_BUILT: dict = {}
+
+
+def new_layer(cfg, layer: int, seed: int, **kwargs) -> dsv4_jax.DeepseekV4Attention:
+    """``DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(seed), **kwargs)``: a clone (`nnx.clone`: its
+    own variables over the same immutable arrays) of the first layer built with these arguments
+    in this process. Building runs the initializers eagerly, every operation compiled for its
+    shapes: about 2.5 s in each test file (conftest drops the compiled programs after each file),
+    where a clone costs none. Built afresh under a mesh (the arrays' placement follows it)."""
+    try:
+        key = (cfg, layer, seed, tuple(sorted(kwargs.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is None or not jax.sharding.get_abstract_mesh().empty or not _physical_mesh().empty:
+        return dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(seed), **kwargs)
+    if key not in _BUILT:
+        _BUILT[key] = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(seed), **kwargs)
+    return nnx.clone(_BUILT[key])
+
+
+def _physical_mesh():
+    from jax._src.mesh import thread_resources  # the mesh of a `with mesh:` block
+
+    return thread_resources.env.physical_mesh
+
+
 def golden_layer(g: Golden, layer: int, break_mode: str = "narrow", **kwargs) -> dsv4_jax.DeepseekV4Attention:
-    attn = dsv4_jax.DeepseekV4Attention(g.cfg, layer, rngs=nnx.Rngs(0), break_mode=break_mode, **kwargs)
+    attn = new_layer(g.cfg, layer, 0, break_mode=break_mode, **kwargs)
     dsv4_jax.load_hf_attention_weights(attn, g.weights(layer))
     return attn
 
 
 def random_layer(cfg, layer: int, seed: int = 0, break_mode: str = "narrow", **kwargs):
     """A layer with every parameter random, position biases and sinks included (they init to 0)."""
-    attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(seed), break_mode=break_mode, **kwargs)
+    attn = new_layer(cfg, layer, seed, break_mode=break_mode, **kwargs)
     rng = np.random.default_rng(seed + 1000)
     state = nnx.state(attn, nnx.Param)
     for path, var in sorted(nnx.to_flat_state(state), key=lambda kv: str(kv[0])):
