@@ -156,6 +156,12 @@ def assert_same_bits(actual, expected):
     )
 
 
+# The random tests' leading shape, one for all: run eagerly ("jax"), every operation compiles
+# for its shapes, so functions that share operations (the round trips, the quantizers, the
+# Hadamard rotation inside the indexer's rounding) share programs across tests of one width.
+ROWS = (3, 4)
+
+
 def random_rows(shape, dtype, seed):
     """Normal values with a per-row magnitude from 1e-6 to 1e6 (scales far apart)."""
     rng = np.random.default_rng(seed)
@@ -172,7 +178,7 @@ def random_rows(shape, dtype, seed):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("width", [448, 64, 24, 100])
 def test_fp8_round_trip_matches_port(ns, dtype, width):
-    x = random_rows((3, 4, width), dtype, seed=width)
+    x = random_rows((*ROWS, width), dtype, seed=width)
     assert_same_bits(run(numerics.fp8_round_trip, x, ns), port_fp8(x))
 
 
@@ -180,7 +186,7 @@ def test_fp8_round_trip_matches_port(ns, dtype, width):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("width", [128, 32, 16, 40])
 def test_fp4_round_trip_matches_port(ns, dtype, width):
-    x = random_rows((3, 4, width), dtype, seed=width + 1)
+    x = random_rows((*ROWS, width), dtype, seed=width + 1)
     assert_same_bits(run(numerics.fp4_round_trip, x, ns), port_fp4(x))
 
 
@@ -188,7 +194,7 @@ def test_fp4_round_trip_matches_port(ns, dtype, width):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("width", [128, 64, 16, 24, 1])
 def test_hadamard_matches_port(ns, dtype, width):
-    x = random_rows((2, 3, width), dtype, seed=width + 2)
+    x = random_rows((*ROWS, width), dtype, seed=width + 2)
     assert_same_bits(run(numerics.hadamard_rotate, x, ns), port_hadamard(x))
 
 
@@ -196,7 +202,7 @@ def test_hadamard_matches_port(ns, dtype, width):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("width", [128, 16])
 def test_round_indexer_official_matches_port(ns, dtype, width):
-    x = random_rows((2, 5, width), dtype, seed=width + 3)
+    x = random_rows((*ROWS, width), dtype, seed=width + 3)
     assert_same_bits(run(numerics.round_indexer_official, x, ns), port_fp4(port_hadamard(x)))
 
 
@@ -204,7 +210,7 @@ def test_round_indexer_official_matches_port(ns, dtype, width):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(("head_dim", "rope_dim"), [(512, 64), (32, 8), (128, 64), (16, 0), (8, 8)])
 def test_round_kv_official(ns, dtype, head_dim, rope_dim):
-    kv = random_rows((2, 3, head_dim), dtype, seed=head_dim + rope_dim)
+    kv = random_rows((*ROWS, head_dim), dtype, seed=head_dim + rope_dim)
     out = run(lambda v: numerics.round_kv_official(v, rope_dim), kv, ns)
     n = head_dim - rope_dim
     assert_same_bits(out[..., n:], kv[..., n:])  # RoPE channels untouched
@@ -349,12 +355,12 @@ def test_non_finite_block_is_nan(ns, fn):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("width", [448, 24, 100])
 def test_quantize_dequantize_fp8_is_the_round_trip(ns, dtype, width):
-    x = random_rows((2, 3, width), dtype, seed=width + 4)
+    x = random_rows((*ROWS, width), dtype, seed=width + 4)
     x[0, 0, :] = 0
     values, scales = run(numerics.quantize_fp8, x, ns)
     assert values.dtype == np.dtype(ml_dtypes.float8_e4m3fn)
     assert scales.dtype == np.dtype(ml_dtypes.float8_e8m0fnu)
-    assert values.shape == x.shape and scales.shape == (2, 3, -(-width // 64))
+    assert values.shape == x.shape and scales.shape == (*ROWS, -(-width // 64))
     assert_same_bits(scales.astype(np.float32), port_scales(x, 64, 448.0, 1e-4, ml_dtypes.float8_e4m3fn))
     expected = port_fp8(x)
     assert_same_bits(numerics.dequantize_fp8(values, scales, dtype), expected)
@@ -365,9 +371,9 @@ def test_quantize_dequantize_fp8_is_the_round_trip(ns, dtype, width):
 @pytest.mark.parametrize("ns", NAMESPACES)
 @pytest.mark.parametrize("width", [128, 16, 40])
 def test_quantize_dequantize_fp4_is_the_round_trip(ns, width):
-    x = random_rows((2, 3, width), BF16, seed=width + 5)
+    x = random_rows((*ROWS, width), BF16, seed=width + 5)
     values, scales = run(numerics.quantize_fp4, x, ns)
-    assert values.dtype == np.dtype(ml_dtypes.float4_e2m1fn) and scales.shape == (2, 3, -(-width // 32))
+    assert values.dtype == np.dtype(ml_dtypes.float4_e2m1fn) and scales.shape == (*ROWS, -(-width // 32))
     assert_same_bits(numerics.dequantize_fp4(values, scales, BF16), port_fp4(x))
 
 
