@@ -7,6 +7,7 @@ schedule of calls (one shot, chunks, token by token) gives the one-shot result.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import helpers
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import EXECUTIONS, execution, golden_layer, pad_picks, random_layer, rel_err
+from helpers import EXECUTIONS, GOLDEN_FILES, execution, golden_layer, pad_picks, random_layer, rel_err
 
 import dsv4_jax
 from dsv4_jax.diagnostics import run_schedule
@@ -48,9 +49,19 @@ def replay(g, layer: int, mode: str) -> list:
     return _REPLAYS[key]
 
 
+@functools.cache
+def recording(name: str) -> helpers.Golden:
+    return helpers.load_golden(name)
+
+
+# The recordings by name, not conftest's session-wide `golden` fixture: pytest groups a session
+# fixture's tests across files, which would run other files' tests (and conftest's drop of the
+# compiled programs after a file) between these and the tests below that reuse their steps.
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
-def test_replays_every_golden_call(golden, layer, mode):
+@pytest.mark.parametrize("name", GOLDEN_FILES)
+def test_replays_every_golden_call(name, layer, mode):
+    golden = recording(name)
     if layer != 1 and mode not in ("none", "wide"):
         # Without an indexer every mode but wide runs the very same compiled step as "none"
         # (test_layers_without_indexer_share_the_none_step): replaying it again proves nothing.
@@ -90,7 +101,9 @@ def test_all_execution_modes_agree_on_csa(small):
 
 
 @pytest.mark.parametrize("layer", [0, 2], ids=["sliding", "hca"])
-def test_wide_agrees_with_none_without_indexer(golden, layer):
+@pytest.mark.parametrize("name", GOLDEN_FILES)
+def test_wide_agrees_with_none_without_indexer(name, layer):
+    golden = recording(name)
     for c, ((out, _), (base_out, _)) in enumerate(zip(replay(golden, layer, "wide"), replay(golden, layer, "none"))):
         assert rel_err(out, base_out) < 1e-6, f"{golden.name} call {c}"
 
