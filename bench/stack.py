@@ -577,7 +577,8 @@ def kernel_plan(args, kernels="auto") -> KernelPlan:
     """`kernels` (a mode's name or plan) with the command line's A/B switches: --(no-)decode-kernel,
     --(no-)prefill-kernel, --(no-)compress-kernel ("pallas" / "xla" for that stage), --decode-blocks
     and --prefill-blocks (the kernel's blocks wherever it runs for that phase), --select-segments
-    (blocks a row of the native top-k)."""
+    (blocks a row of the native top-k), --select-keys and --select-scores (how the native
+    selection reads an FP8 cache's keys, and whose scores its top-k picks from)."""
     plan = as_kernel_plan(kernels)
     changes = {}
     for stage, (on, off) in KERNEL_FLAGS.items():
@@ -593,6 +594,8 @@ def kernel_plan(args, kernels="auto") -> KernelPlan:
         changes["select_segments"] = args.select_segments
     if getattr(args, "select_keys", None):
         changes["select_keys"] = args.select_keys
+    if getattr(args, "select_scores", None):
+        changes["select_scores"] = args.select_scores
     return dataclasses.replace(plan, **changes)
 
 
@@ -798,6 +801,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--select-keys", default=None, choices=("stored", "dequantized"),
                     help="how the native selection reads an FP8 cache's indexer keys (KernelPlan select_keys; "
                          "default: stored, the handler dequantizes them where it loads them)")
+    ap.add_argument("--select-scores", default=None, choices=("native", "pallas"),
+                    help="the scores the native selection's top-k picks from (KernelPlan select_scores; "
+                         "default: the Pallas scoring kernel for prefill chunks on CUDA, the handler's for decode)")
     ap.add_argument("--overlap", default="auto", metavar="SETTING[,SETTING...]",
                     help="the layers' overlap (dsv4_jax.overlap: auto, on, off); a list runs each job once per "
                          "setting, in order, back to back (the A/B: e.g. on,off,on); records carry `overlap`")

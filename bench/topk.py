@@ -15,13 +15,14 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               them in their stored form (`native.select_topk_fp4`, the default), against a
               dequantized bf16 copy handed to `native.select_topk` (`select_keys="dequantized"`),
               and against a bf16 cache's keys (the same values, 256 bytes a key), and the
-              candidate Pallas scoring over those (``--pallas-configs`` of one row a program).
+              Pallas scoring over those (``--pallas-configs``; the layer keeps the handler's
+              scoring for decode, where it measured faster).
 * ``select_prefill``  one query block of a long prefill (256 queries on a causal ramp, B = 1,
               bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
               the top-k alone on the same scores (with ``--device-time`` each kernel's own time
-              says how the handler splits), the candidate Pallas scoring (bench/score_kernel.py,
-              each of ``--pallas-configs``) followed by the native top-k, and XLA where its
-              [S, nI, T] product fits 2 GiB.
+              says how the handler splits), the Pallas scoring (`dsv4_jax.indexer_kernel`, each
+              of ``--pallas-configs``; the first is the layer's default for prefill chunks on
+              CUDA) followed by the native top-k, and XLA where its [S, nI, T] product fits 2 GiB.
 
 Protocol: each timed program runs the operation `unroll` times on different inputs inside one
 `jax.jit` (so that per-call dispatch, ~60-75 us on the H200, does not hide the kernels), after
@@ -49,8 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import score_kernel  # noqa: E402
-from dsv4_jax import indexer, native  # noqa: E402
+from dsv4_jax import indexer, indexer_kernel, native  # noqa: E402
 
 
 def time_program(fn, args, repeats: int, spin_s: float = 1.0) -> list[float]:
@@ -176,44 +176,42 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
         "native-fp4-dequantized": dequantized,
         "native-bf16-keys": lambda q, w, c, s, dense, v: native.select_topk(q, w, dense, v, top_k=k, graph=True)[0],
     }
-    for config in pallas_configs(configs):  # the candidate scoring over the bf16 keys (one query a row)
-        if config["rows"] == 1:
-            select = pallas_select(config, k)
-            variants[pallas_name(config)] = lambda q, w, c, s, dense, v, select=select: select(q, w, dense, v)
+    for config in pallas_configs(configs):  # the Pallas scoring over the bf16 keys
+        select = pallas_select(config, k)
+        variants[pallas_name(config)] = lambda q, w, c, s, dense, v, select=select: select(q, w, dense, v)
     return time_variants("select_fp4", variants, (q, w, codes, scales, dense, visible), unroll, repeats,
                          {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
                           "key_bytes": {"mxfp4": dim // 2 + dim // 32, "bfloat16": 2 * dim}, "dtype": "mxfp4"})
 
 
-# The candidate Pallas scoring's configurations (`--pallas-configs`): rows a program, entries a
-# block, blocks a program, Triton warps, pipeline stages.
-PALLAS_CONFIGS = "1:128:8:4:3,2:128:8:4:3"
+# The Pallas scoring's configurations (`--pallas-configs`): entries a block, blocks a program,
+# Triton warps, pipeline stages; the first is the package's (dsv4_jax.indexer_kernel).
+PALLAS_CONFIGS = "128:8:8:3,128:8:4:3"
 
 
 def pallas_configs(spec: str) -> list[dict]:
-    keys = ("rows", "block", "tiles", "num_warps", "num_stages")
+    keys = ("block", "tiles", "num_warps", "num_stages")
     out = []
     for item in filter(None, spec.split(",")):
         values = item.split(":")
         if len(values) != len(keys) or not all(v.isdigit() and int(v) > 0 for v in values):
-            raise ValueError(f"--pallas-configs: expected rows:block:tiles:warps:stages items, got {item!r}")
+            raise ValueError(f"--pallas-configs: expected block:tiles:warps:stages items, got {item!r}")
         out.append(dict(zip(keys, map(int, values))))
     return out
 
 
 def pallas_name(config: dict) -> str:
-    return "native-pallas-scores[r{rows} b{block} t{tiles} w{num_warps} s{num_stages}]+topk".format(**config)
+    return "native-pallas-scores[b{block} t{tiles} w{num_warps} s{num_stages}]+topk".format(**config)
 
 
 def pallas_select(config: dict, k: int):
-    """picks of queries [B, S, nI, c] against keys [B, T, c]: the candidate scoring kernel
-    (bench/score_kernel.py; interpret mode off the GPU), then the native top-k."""
+    """picks of queries [B, S, nI, c] against keys [B, T, c]: the Pallas scoring kernel
+    (`indexer_kernel.index_scores`; interpret mode off the GPU), then the native top-k: what
+    the layer's native selection runs for a prefill chunk on CUDA (`KernelPlan.select_scores`)."""
 
     def select(q, w, keys, visible):
-        batch, seq, heads, dim = q.shape
-        flat = score_kernel.scores(q.reshape(-1, heads, dim), w.reshape(-1, heads), keys, visible.reshape(-1),
-                                   rows_per_batch=seq, interpret=jax.default_backend() != "gpu", **config)
-        return native.topk(flat.reshape(batch, seq, keys.shape[1]), visible, top_k=k, graph=True)
+        scores = indexer_kernel.index_scores(q, w, keys, visible, interpret=jax.default_backend() != "gpu", **config)
+        return native.topk(scores, visible, top_k=k, graph=True)
 
     return select
 
@@ -256,8 +254,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-slots", default="8192,32768,65536,262144",
                     help="select_prefill: entries the block's last query sees (comma-separated)")
     ap.add_argument("--pallas-configs", default=PALLAS_CONFIGS,
-                    help="select_prefill, select_fp4: the candidate Pallas scoring's configurations, "
-                         "rows:block:tiles:warps:stages[,...] (bench/score_kernel.py)")
+                    help="select_prefill, select_fp4: the Pallas scoring's configurations, "
+                         "block:tiles:warps:stages[,...] (dsv4_jax.indexer_kernel)")
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each program: kernel time per op (set XLA_FLAGS="
                          "--xla_enable_command_buffers_during_profiling=true to keep CUDA graphs)")

@@ -65,7 +65,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import indexer, native, numerics, sharding
+from . import indexer, indexer_kernel, native, numerics, sharding
 from . import overlap as overlap_mod
 from .backend import QUERY_BLOCK, map_query_blocks
 from .config import CSA
@@ -118,7 +118,8 @@ class BreakPlan:
         if self.native_select:
             select = functools.partial(_select_native, graph=self.mode == "none",
                                        segments=self.kernels.select_segments,
-                                       stored_keys=self.kernels.select_keys != "dequantized")
+                                       stored_keys=self.kernels.select_keys != "dequantized",
+                                       scoring=self.kernels.select_scores)
         elif self.mode == "narrow":
             select = _select_on_host
         else:
@@ -312,12 +313,21 @@ def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k,
 
 
 def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
-                   graph: bool, segments: int | None = None, stored_keys: bool = True) -> indexer.Selection:
+                   graph: bool, segments: int | None = None, stored_keys: bool = True,
+                   scoring: str = "native") -> indexer.Selection:
     """The native selection, blocked over queries like `indexer.select_topk` (bounds the
     [B, block, T] scores of long prefills); the eager break unless `graph`; `segments` as
     `KernelPlan.select_segments`. An FP8 cache's keys (`QuantizedRows`) go to the handler in
     their stored form (`native.select_topk_fp4`) unless not `stored_keys`
-    (`KernelPlan.select_keys="dequantized"`)."""
+    (`KernelPlan.select_keys="dequantized"`). `scoring`: `KernelPlan.select_scores` (resolved
+    for the platform); where it chooses the Pallas kernel (`indexer_kernel.choose`) the
+    handler's top-k picks from that kernel's scores, and an FP8 cache's keys are dequantized."""
+    dense = read(keys)
+    scoring = indexer_kernel.choose(scoring, queries, dense)
+    if scoring != "native":
+        return _select_scored_by_kernel(queries, weights, dense, visible, top_k=top_k, with_scores=with_scores,
+                                        block=block, graph=graph, segments=segments,
+                                        interpret=scoring == "interpret")
     if (stored_keys and isinstance(keys, QuantizedRows) and keys.grid == "fp4"
             and keys.block == numerics.FP4_BLOCK):
 
@@ -329,11 +339,26 @@ def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False,
 
         return map_query_blocks(select_fp4_block, (queries, weights, visible), (keys.values, keys.scales), block)
 
-    keys = read(keys)
-
     def select_block(q, w, vis, k):
         picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph, segments=segments)
         if with_scores and graph:  # break_mode="none": differentiable like the XLA scores (indexer_kl_loss)
+            scores = _scores_with_gradient(scores, q, w, k, vis)
+        return indexer.Selection(picks, scores if with_scores else None)
+
+    return map_query_blocks(select_block, (queries, weights, visible), (dense,), block)
+
+
+def _select_scored_by_kernel(queries, weights, keys, visible, *, top_k, with_scores, block, graph, segments,
+                             interpret) -> indexer.Selection:
+    """`_select_native` with the scores of the Pallas scoring kernel (`indexer_kernel`): per
+    query block the kernel's [B, block, T] scores, then the handler's top-k over them (the eager
+    break unless `graph`)."""
+
+    def select_block(q, w, vis, k):
+        scores = indexer_kernel.index_scores(jax.lax.stop_gradient(q), jax.lax.stop_gradient(w),
+                                             jax.lax.stop_gradient(k), vis, interpret=interpret)
+        picks = native.topk(scores, vis, top_k=top_k, graph=graph, segments=segments)
+        if with_scores and graph:
             scores = _scores_with_gradient(scores, q, w, k, vis)
         return indexer.Selection(picks, scores if with_scores else None)
 

@@ -1,28 +1,32 @@
 """Which implementation runs each kernel-backed stage: the `kernels=` switch, as a static plan.
 
-A layer's stages all have an XLA reference (the math, written once). Three of them also have
-kernels that measured faster on an H200:
+A layer's stages all have an XLA reference (the math, written once). Some also have kernels
+that measured faster on an H200:
 
-==================  =====================================  ====================================
-stage               kernel                                 reference
-==================  =====================================  ====================================
-``select``          the native scoring + top-k handlers    `indexer.select_topk` (`lax.top_k`)
-                    (XLA FFI, csrc/; see `native`)
-``decode_attention``  Pallas sparse attention, one query   `sparse_attention._xla_path`
-                    per row (`sparse_attention_kernel`)
-``prefill_attention`` the same kernel, many queries a row  `sparse_attention._xla_path`
-``compress``        Pallas decode pooling of the           `compressor._pool`
-                    compressors (`compressor_kernel`)
-``attention_        the sparse attention kernel's          the VJP of `sparse_attention.
-backward``          gradient as a Pallas kernel            _xla_path`
-                    (`sparse_attention_backward`)
-==================  =====================================  ====================================
+=====================  =====================================  ==================================
+stage                  kernel                                 reference
+=====================  =====================================  ==================================
+``select``             the native scoring + top-k handlers    `indexer.select_topk` (`lax.top_k`)
+                       (XLA FFI, csrc/; see `native`)
+``select_scores``      the indexer's scoring as a Pallas      the native handler's own scoring
+                       kernel (`indexer_kernel`), the
+                       handler's top-k after it
+``decode_attention``   Pallas sparse attention, one query     `sparse_attention._xla_path`
+                       per row (`sparse_attention_kernel`)
+``prefill_attention``  the same kernel, many queries a row    `sparse_attention._xla_path`
+``compress``           Pallas decode pooling of the           `compressor._pool`
+                       compressors (`compressor_kernel`)
+``attention_backward`` the sparse attention kernel's          the VJP of `sparse_attention.
+                       gradient as a Pallas kernel            _xla_path`
+                       (`sparse_attention_backward`)
+=====================  =====================================  ==================================
 
 `kernels=` names a whole plan:
 
 * ``"auto"`` (default): what measured faster on the platform: the native selection where it is
   built; on CUDA the Pallas kernels for the shapes they won on (`sparse_attention_kernel.
-  CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step); the XLA reference elsewhere.
+  CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step, the indexer's scoring kernel
+  for bf16 calls of several queries a row); the XLA reference elsewhere.
 * ``"xla"``: every stage by its XLA reference: no native handler, no Pallas kernel.
 * ``"native"``: as "auto", but the native handlers are required (an error names why they are not
   usable).
@@ -31,7 +35,8 @@ backward``          gradient as a Pallas kernel            _xla_path`
 
 or is a `KernelPlan` for one stage at a time (A/B runs, forced block sizes). Each stage's choice:
 "auto" (the measured default above), "pallas" (the kernel on CUDA for every shape it takes, the
-reference on other platforms), "interpret" or "xla"; ``select``: "auto", "native" or "xla".
+reference on other platforms), "interpret" or "xla"; ``select``: "auto", "native" or "xla";
+``select_scores``: "auto", "native", "pallas" or "interpret".
 
 The plan is resolved once per step (`resolve`, for the step's platform) and sits in the step's
 static identity (`breaks.BreakPlan.kernels`, part of `StepSpec`): changing `kernels` between
@@ -52,6 +57,7 @@ from typing import Any
 KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
+SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
 PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress")
 
 
@@ -80,6 +86,14 @@ class KernelPlan:
                        (A/B runs; the same picks, bit for bit). "auto": "stored" (on the H200
                        the selection takes 4.2x less time than with the copy at B = 8, 1M:
                        bench/RESULTS.md "FP8 caches").
+    select_scores:     "auto" | "native" | "pallas" | "interpret"  where the selection is native,
+                       the scores its top-k picks from: "native" the handler's own scoring,
+                       "pallas" the Pallas scoring kernel (`indexer_kernel`; on CUDA, for the
+                       bf16 operands it takes, else "native"), "interpret" that kernel in
+                       interpret mode. "auto": "pallas" for calls of several queries a row
+                       (bench/RESULTS.md "Where a CSA prefill goes"), "native" for decode steps.
+                       An FP8 cache's keys reach the kernel as their dequantized copy (the same
+                       values as a bf16 cache's keys: the same scores, bit for bit).
     """
 
     select: str = "auto"
@@ -91,6 +105,7 @@ class KernelPlan:
     prefill_blocks: tuple[int, ...] | None = None
     select_segments: int | None = None
     select_keys: str = "auto"
+    select_scores: str = "auto"
 
     def __post_init__(self):
         check_choice("kernels.select", self.select, SELECT_CHOICES)
@@ -98,6 +113,7 @@ class KernelPlan:
             check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
         check_choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
         check_choice("kernels.select_keys", self.select_keys, ("auto", "stored", "dequantized"))
+        check_choice("kernels.select_scores", self.select_scores, SCORES_CHOICES)
         for name in ("decode_blocks", "prefill_blocks"):
             blocks = getattr(self, name)
             if blocks is None:
@@ -118,17 +134,21 @@ class KernelPlan:
             return cls(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla",
                        attention_backward="xla")
         if kernels == "interpret":
-            return cls(decode_attention="interpret", prefill_attention="interpret", compress="interpret")
+            return cls(decode_attention="interpret", prefill_attention="interpret", compress="interpret",
+                       select_scores="interpret")
         return cls(select="native" if kernels == "native" else "auto")
 
     def resolve(self, platform: str, native_available: bool) -> KernelPlan:
         """This plan for `platform` ("cpu", "cuda", ...): "auto" selection decided by whether the
         native handlers are usable there; Pallas stages that only run on CUDA ("auto",
-        "pallas") become "xla" elsewhere. The result holds no "auto" selection."""
+        "pallas") become "xla" elsewhere, and the scoring kernel ("auto", "pallas") "native".
+        The result holds no "auto" selection."""
         select = self.select if self.select != "auto" else ("native" if native_available else "xla")
         stages = {}
         if platform != "cuda":
             stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas")}
+            if self.select_scores in ("auto", "pallas"):
+                stages["select_scores"] = "native"
         keys = self.select_keys if self.select_keys != "auto" else "stored"
         return dataclasses.replace(self, select=select, select_keys=keys, **stages)
 

@@ -73,17 +73,20 @@ def assert_same_gradients(got, want, rtol=2e-5):
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_every_kernel_differentiates_as_its_reference(layer, monkeypatch):
     """kernels="interpret": every Pallas kernel runs (prefill and decode sparse attention, the
-    decode pooling), and jax.grad w.r.t. the weights and the input equals the XLA reference's."""
-    from dsv4_jax import compressor_kernel
+    decode pooling, the indexer's scoring where the native selection is built), and jax.grad
+    w.r.t. the weights and the input equals the XLA reference's."""
+    from dsv4_jax import compressor_kernel, indexer_kernel
     from dsv4_jax import sparse_attention_kernel as sak
 
     ran = []
-    for module, name in ((sak, "sparse_attention_kernel"), (compressor_kernel, "pool_one_token")):
+    for module, name in ((sak, "sparse_attention_kernel"), (compressor_kernel, "pool_one_token"),
+                         (indexer_kernel, "index_scores")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, functools.partial(lambda real, name, *a, **k: ran.append(name)
                                                             or real(*a, **k), real, name))
     got = loss_and_grads(layer, break_mode="none", kernels="interpret")
-    expected = {"sparse_attention_kernel"} | ({"pool_one_token"} if layer != "sliding" else set())
+    expected = ({"sparse_attention_kernel"} | ({"pool_one_token"} if layer != "sliding" else set())
+                | ({"index_scores"} if layer == "csa" and NATIVE_BUILT else set()))
     assert set(ran) == expected
     assert_same_gradients(got, reference(layer))
 
