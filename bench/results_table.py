@@ -158,10 +158,11 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "--contexts 131072,262144,524288,1048576 --same-buffers all",
      H200 + "; three processes (merged record)", "8cfedf1", stack),
     ("Long context: prefill from 4k to 1M tokens (stacks of 2; 1M by chunks)",
-     "h200_long_prefill_2026-12-02_s36.json",
+     "h200_long_prefill_2026-12-04_s43.json",
      "python3 bench/stack.py --size flash --scenarios stack_prefill --stacks csa|hca --layers-per-stack 2 "
-     "--prefills 4096,16384,65536,262144|1048576 --prefill-chunk auto --repeats 2|1",
-     H200 + "; four processes (merged record)", "8cfedf1", long_prefill),
+     "--prefills 16384,65536,131072,262144|4096,16384,65536|262144,524288|1048576 [--prefill-chunk auto] "
+     "--repeats 3|5|2|1",
+     H200 + "; five processes (merged record): HCA session 37, CSA session 43", "d8a5829 (CSA)", long_prefill),
     ("Break modes: the device break and the XLA selection against `none` (one CSA layer)",
      "h200_flash_device_break_2026-12-01.json",
      "python3 bench/run.py --size flash --layers csa --scenarios decode_pr,decode_long "
