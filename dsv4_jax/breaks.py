@@ -324,11 +324,7 @@ def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False,
     handler's top-k picks from that kernel's scores, and an FP8 cache's keys are dequantized."""
     dense = read(keys)
     scoring = indexer_kernel.choose(scoring, queries, dense)
-    if scoring != "native":
-        return _select_scored_by_kernel(queries, weights, dense, visible, top_k=top_k, with_scores=with_scores,
-                                        block=block, graph=graph, segments=segments,
-                                        interpret=scoring == "interpret")
-    if (stored_keys and isinstance(keys, QuantizedRows) and keys.grid == "fp4"
+    if (scoring == "native" and stored_keys and isinstance(keys, QuantizedRows) and keys.grid == "fp4"
             and keys.block == numerics.FP4_BLOCK):
 
         def select_fp4_block(q, w, vis, codes, key_scales):
@@ -340,29 +336,17 @@ def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False,
         return map_query_blocks(select_fp4_block, (queries, weights, visible), (keys.values, keys.scales), block)
 
     def select_block(q, w, vis, k):
-        picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph, segments=segments)
+        if scoring == "native":
+            picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph, segments=segments)
+        else:  # the Pallas kernel's scores, the handler's top-k over them
+            scores = indexer_kernel.index_scores(*jax.lax.stop_gradient((q, w, k)), vis,
+                                                 interpret=scoring == "interpret")
+            picks = native.topk(scores, vis, top_k=top_k, graph=graph, segments=segments)
         if with_scores and graph:  # break_mode="none": differentiable like the XLA scores (indexer_kl_loss)
             scores = _scores_with_gradient(scores, q, w, k, vis)
         return indexer.Selection(picks, scores if with_scores else None)
 
     return map_query_blocks(select_block, (queries, weights, visible), (dense,), block)
-
-
-def _select_scored_by_kernel(queries, weights, keys, visible, *, top_k, with_scores, block, graph, segments,
-                             interpret) -> indexer.Selection:
-    """`_select_native` with the scores of the Pallas scoring kernel (`indexer_kernel`): per
-    query block the kernel's [B, block, T] scores, then the handler's top-k over them (the eager
-    break unless `graph`)."""
-
-    def select_block(q, w, vis, k):
-        scores = indexer_kernel.index_scores(jax.lax.stop_gradient(q), jax.lax.stop_gradient(w),
-                                             jax.lax.stop_gradient(k), vis, interpret=interpret)
-        picks = native.topk(scores, vis, top_k=top_k, graph=graph, segments=segments)
-        if with_scores and graph:
-            scores = _scores_with_gradient(scores, q, w, k, vis)
-        return indexer.Selection(picks, scores if with_scores else None)
-
-    return map_query_blocks(select_block, (queries, weights, visible), (keys,), block)
 
 
 @jax.custom_jvp
