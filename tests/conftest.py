@@ -28,13 +28,22 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
-    """The selected tests' jobs start now, in test order, one at a time beside this process."""
-    if not session.config.option.collectonly:
+    """The selected tests' jobs start now, in test order, one at a time beside this process.
+    Not in a pytest-xdist worker: the workers already share the cores, and which tests a worker
+    gets is decided as it goes; each job runs there when its test asks for it."""
+    if not session.config.option.collectonly and not hasattr(session.config, "workerinput"):
         JOBS.start(mark.args[0] for item in session.items for mark in item.iter_markers("background"))
 
 
 def pytest_sessionfinish(session):
     JOBS.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the background jobs' time went (docs/DEVELOPING.md, keeping the suite fast)."""
+    line = JOBS.summary()
+    if line:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,6 +189,9 @@ class Job:
     workdir: Path | None = None
     proc: subprocess.Popen | None = None
     timed_out: bool = False
+    name: str = ""
+    seconds: float | None = None  # the command's wall time, once it ran
+    waited: float = 0.0  # how long a test waited for it (the session's critical path when > 0)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -198,6 +202,7 @@ class Job:
                 return
             self.workdir = Path(tempfile.mkdtemp(prefix="dsv4-test-job-"))
             args = [str(a) for a in self.command(self.workdir)]
+            start = time.monotonic()
             with open(self.workdir / "stdout", "w") as out, open(self.workdir / "stderr", "w") as err:
                 self.proc = subprocess.Popen(args, cwd=self.cwd, env=self.env, stdout=out, stderr=err,
                                              stdin=subprocess.DEVNULL, text=True)
@@ -207,13 +212,16 @@ class Job:
                     self.timed_out = True
                     self.proc.kill()
                     self.proc.wait()
+            self.seconds = time.monotonic() - start
             self.done.set()
 
     def result(self) -> subprocess.CompletedProcess:
         """Wait for the job (run it here if no one has started it); its exit status and output.
         Raises subprocess.TimeoutExpired where it ran past `timeout` (it was killed)."""
         if JOBS.started(self):
+            start = time.monotonic()
             self.done.wait()
+            self.waited += time.monotonic() - start
         else:
             self.run()
         stdout, stderr = ((self.workdir / name).read_text(errors="replace") for name in ("stdout", "stderr"))
@@ -241,6 +249,7 @@ class Jobs:
     def register(self, name: str, job: Job, when: bool = True) -> pytest.MarkDecorator:
         """Register `job` as `name` (unless not `when`); returns the mark that ties a test to it."""
         if when:
+            job.name = name
             self.by_name[name] = job
         return pytest.mark.background(name)
 
@@ -253,6 +262,15 @@ class Jobs:
             self.thread = threading.Thread(target=lambda: [job.run() for job in self.queued], daemon=True,
                                            name="dsv4-test-jobs")
             self.thread.start()
+
+    def summary(self) -> str:
+        """One line: each job that ran, its wall time and how long the tests waited for it."""
+        ran = [job for job in self.by_name.values() if job.seconds is not None]
+        if not ran:
+            return ""
+        parts = [f"{job.name} {job.seconds:.0f} s" + (f" (waited {job.waited:.0f} s)" if job.waited >= 1 else "")
+                 for job in ran]
+        return f"background jobs, {sum(job.seconds for job in ran):.0f} s in all: " + ", ".join(parts)
 
     def stop(self) -> None:
         self.stopping = True
