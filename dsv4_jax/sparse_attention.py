@@ -148,7 +148,8 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
     if choice == "xla":
         return None
     kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-    table = sparse_attention_kernel.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype)
+    table = sparse_attention_kernel.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype,
+                                                   0 if entries is None else entries.shape[1])
     if choice == "auto" and table is None:  # not a shape the kernel measured faster on
         return None
     # The plan's blocks (A/B runs) wherever the kernel runs, else the table's, else the forced defaults.

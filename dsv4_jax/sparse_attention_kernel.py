@@ -29,8 +29,8 @@ float32 agrees within 2e-5 (`tests/test_sparse_attention_kernel.py`).
 
 No attention masses (they keep the XLA path). `sparse_attention` chooses this kernel as the
 step's `KernelPlan` says: by default on CUDA where it measured faster (`default_blocks`), the XLA
-path as the reference and for every other backend. It has no differentiation rule of its own:
-`sparse_attention` differentiates it as the XLA path (`backend.differentiated_as`).
+path as the reference and for every other backend. Its gradient (`sparse_attention._by_kernel`):
+`sparse_attention_backward`'s kernel, or the XLA path's VJP.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #   decode (results/h200_decode_kernel_blocks_2026-12-01.json):
 #     CSA B = 1:  24.7 (bk 16, bh 32) against 28.9     HCA B = 1:  20.2 (bk 32, bh 16) against 30.3
 #     CSA B = 32: 58.6 at best against 56.8            HCA B = 32: 37.7 at best against 31.7
-#   so one-row decode only; decode batches keep the XLA path (its gathers are amortised over
-#   the rows, and the kernel's per-program loop is not). With Triton's pipelining (sweep of
+#   so one-row decode only at first; decode batches kept the XLA path (its gathers are amortised
+#   over the rows, and the kernel's per-program loop is not) but for HCA's long caches (below).
+#   With Triton's pipelining (sweep of
 #   results/h200_decode_kernel_sweep_2026-12-01_s8.json) CSA B = 32 fell to 45.7 (bk 64, bh 64,
 #   2 stages) against 62.6 for the XLA op measured there, which gathers its window; inside the
 #   stack the XLA path reads the window in place and costs ~42 us a layer, so the batch entry
@@ -75,12 +76,29 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #   for prompts of at least PREFILL_MIN_ROWS queries (B * S; shorter calls were not measured),
 #   in 2-byte compute dtypes: those blocks need 193 KiB of shared memory in bf16 and more than
 #   the H200's 227 KiB in float32 (a float32 prefill keeps the XLA path unless forced).
+#   HCA decode of a batch over a long cache (session 44, in-stack A/B on one machine, ms a layer,
+#   XLA path against the kernel with all 64 heads a program and 16 splits a row for B = 8,
+#   (64, 64, 8, 2, skip), results/h200_hca_decode_kernel_ab_2026-12-04_s44_*.json): B = 8 at
+#   1M 0.215 -> 0.152, 128k 0.121 -> 0.116, 64k 0.103 -> 0.109, 16k 0.096 -> 0.106; B = 32 at 1M
+#   0.565 -> 0.281, 128k 0.150 -> 0.136, 64k 0.127 -> 0.127. The XLA path reads every entry twice
+#   (logits, then values) and writes float32 logits [B, H, T] between; the kernel reads each
+#   entry once (one head block: 64 heads a program; the forced blocks' 32 heads read each entry
+#   twice and measured no better, results/h200_hca_decode_kernel_long_2026-12-02_s36.json). So
+#   the kernel from MIN_ENTRIES compressed entries in the cache (1024: a 128k-token cache at
+#   HCA's ratio 128), skipping the entry blocks past each row's visible ones (the cost then
+#   follows the context, not the cache's size).
 # Sliding layers (window only) were not measured: the XLA path.
 CUDA_DEFAULT_BLOCKS = {
     ("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1),
+    ("hca", "decode", None): (64, 64, 8, 2, True),
     ("csa", "prefill", None): (64, 64, 8, 3, True), ("hca", "prefill", None): (64, 64, 8, 3, True),
 }
 PREFILL_MIN_ROWS = 256
+# Table entries that apply only from this many compressed entries in the cache (entries [B, T, D]'s T).
+MIN_ENTRIES = {("hca", "decode", None): 1024}
+# Table entries for 2-byte compute dtypes only: in float32 their blocks (64 keys x 64 heads of
+# 512) need more shared memory than the H200's 227 KiB (decode (64, 64, 8, 2): 273 KiB requested).
+TWO_BYTE_ONLY = {("csa", "prefill", None), ("hca", "prefill", None), ("hca", "decode", None)}
 
 # The blocks a forced kernel (a `KernelPlan` stage "pallas" or "interpret" without blocks of its
 # own) uses where the table has none; float32 prefill: blocks whose shared memory fits (96 KiB
@@ -95,14 +113,20 @@ def phase_of(q: Array) -> str:
 
 
 def default_blocks(kind: str, batch: int, phase: str = "decode", queries: int = 1,
-                   dtype=jnp.bfloat16) -> dict | None:
+                   dtype=jnp.bfloat16, entries: int = 0) -> dict | None:
     """The kernel's blocks where it is the CUDA default for this layer kind ("csa", "hca",
-    "sliding"), phase ("decode", "prefill"), batch, queries per row and compute dtype, else None
-    (the XLA path)."""
-    if phase == "prefill" and (batch * queries < PREFILL_MIN_ROWS or jnp.dtype(dtype).itemsize > 2):
+    "sliding"), phase ("decode", "prefill"), batch, queries per row, compute dtype and number of
+    compressed entries the cache holds (T of entries [B, T, D]; 0 without), else None (the XLA
+    path)."""
+    if phase == "prefill" and batch * queries < PREFILL_MIN_ROWS:
         return None
-    chosen = CUDA_DEFAULT_BLOCKS.get((kind, phase, batch), CUDA_DEFAULT_BLOCKS.get((kind, phase, None)))
-    return None if chosen is None else as_blocks(chosen)
+    key = (kind, phase, batch) if (kind, phase, batch) in CUDA_DEFAULT_BLOCKS else (kind, phase, None)
+    chosen = CUDA_DEFAULT_BLOCKS.get(key)
+    if chosen is None or entries < MIN_ENTRIES.get(key, 0):
+        return None
+    if key in TWO_BYTE_ONLY and jnp.dtype(dtype).itemsize > 2:
+        return None
+    return as_blocks(chosen)
 
 
 def forced_blocks(phase: str, dtype=jnp.bfloat16) -> dict:
@@ -307,7 +331,8 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
 
     skip_masked_blocks: loop over each row's entry blocks only up to its last key (-1 picks /
     invisible HCA entries after it are skipped instead of computed and masked); the loop's trip
-    count becomes per row. Same result; not yet measured on the GPU, so off by default.
+    count becomes per row. Same result; the CUDA table turns it on for prefill and for HCA's
+    batch decode (`CUDA_DEFAULT_BLOCKS`' fifth value).
     """
     b, s, h, d = q.shape
     entry_idx = entry_indices(b * s, entries, picks, visible)

@@ -133,6 +133,14 @@ def test_the_cuda_default_table():
     assert sak.default_blocks("csa", 1) == {"block_keys": 16, "block_heads": 32, "num_warps": 8, "num_stages": 1}
     assert sak.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16, "num_warps": 8, "num_stages": 1}
     assert sak.default_blocks("csa", 32) is None and sak.default_blocks("hca", 8) is None
+    # HCA decode of a batch: the kernel over caches of at least MIN_ENTRIES entries (128k tokens)
+    long = sak.MIN_ENTRIES[("hca", "decode", None)]
+    assert sak.default_blocks("hca", 8, entries=long - 1) is None
+    assert sak.default_blocks("hca", 8, entries=long) == {"block_keys": 64, "block_heads": 64, "num_warps": 8,
+                                                          "num_stages": 2, "skip_masked_blocks": True}
+    assert sak.default_blocks("hca", 1, entries=long)["block_heads"] == 16  # one row: its own entry
+    assert sak.default_blocks("hca", 8, dtype=jnp.float32, entries=long) is None  # its shared memory: bf16 only
+    assert sak.default_blocks("csa", 8, entries=long) is None
     assert sak.default_blocks("sliding", 1) is None
     assert sak.default_blocks("csa", 1, "prefill", 4096) == {"block_keys": 64, "block_heads": 64, "num_warps": 8,
                                                             "num_stages": 3, "skip_masked_blocks": True}
@@ -143,7 +151,8 @@ def test_the_cuda_default_table():
     assert sak.forced_blocks("prefill", jnp.float32)["block_keys"] == 32
     assert sak.default_blocks("sliding", 1, "prefill", 4096) is None
     for (kind, phase, batch), chosen in sak.CUDA_DEFAULT_BLOCKS.items():
-        assert sak.default_blocks(kind, batch or 3, phase, 4096)["block_keys"] == chosen[0]
+        entries = sak.MIN_ENTRIES.get((kind, phase, batch), 0)
+        assert sak.default_blocks(kind, batch or 3, phase, 4096, entries=entries)["block_keys"] == chosen[0]
 
 
 @pytest.mark.parametrize("kind, phase, batch", list(sak.CUDA_DEFAULT_BLOCKS))
@@ -152,9 +161,10 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     the kernel with those blocks equals the XLA path in float32 (interpret mode, which has no
     shared-memory limit), at a realistic window (128) and head count (32)."""
     b, s = batch or 2, 1 if phase == "decode" else sak.PREFILL_MIN_ROWS // 2
-    q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=32, d=32, w=128, t=300, k=64, dtype=jnp.float32,
+    t = max(300, sak.MIN_ENTRIES.get((kind, phase, batch), 0))  # entries: as many as the entry needs
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=32, d=32, w=128, t=t, k=64, dtype=jnp.float32,
                                                 starts=[1000] * b, s=s)
-    blocks = sak.default_blocks(kind, b, phase, s, jnp.bfloat16)
+    blocks = sak.default_blocks(kind, b, phase, s, jnp.bfloat16, entries=t)
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
@@ -247,6 +257,7 @@ def test_golden_calls_through_the_kernel(small, layer, monkeypatch):
 FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, each CUDA default's, and
     # the forced prefill blocks skipping the masked entry blocks
     ("decode", 1, 1, "forced"), ("decode", 32, 1, "forced"), ("decode", 1, 1, "cuda_default"),
+    ("decode", 8, 1, "cuda_default"),
     ("prefill", 2, 128, "forced"), ("prefill", 2, 128, "cuda_default"), ("prefill", 2, 128, "skip"),
 ]
 
@@ -255,18 +266,20 @@ FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, each CUDA de
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("phase, b, s, which", FLASH_CASES)
 def test_triton_kernel_at_flash_sizes(kind, phase, b, s, which):
-    """V4-Flash shapes: 64 heads of 512, window 128, top-512 of 4k entries (CSA), 129 (HCA);
-    the blocks of a forced kernel, and the CUDA default's where it has some."""
+    """V4-Flash shapes: 64 heads of 512, window 128, top-512 of 4k entries (CSA), 129 (HCA; a
+    decode batch 2048, where its CUDA default starts); the blocks of a forced kernel, and the
+    CUDA default's where it has some."""
+    t = 4096 if kind == "csa" else 2048 if (phase, b) == ("decode", 8) else 129
+
     def blocks_for(dtype):
         if which in ("forced", "skip"):
             return {**sak.forced_blocks(phase, dtype), **({"skip_masked_blocks": True} if which == "skip" else {})}
-        return sak.default_blocks(kind, b, phase, s, dtype) or sak.forced_blocks(phase, dtype)
+        return sak.default_blocks(kind, b, phase, s, dtype, entries=t) or sak.forced_blocks(phase, dtype)
 
-    if which == "cuda_default" and sak.default_blocks(kind, b, phase, s) is None:
+    if which == "cuda_default" and sak.default_blocks(kind, b, phase, s, entries=t) is None:
         pytest.skip("the XLA path is the CUDA default here")
-    if which == "forced" and sak.default_blocks(kind, b, phase, s) == blocks_for(jnp.bfloat16):
+    if which == "forced" and sak.default_blocks(kind, b, phase, s, entries=t) == blocks_for(jnp.bfloat16):
         pytest.skip("the same blocks as the CUDA default")
-    t = 4096 if kind == "csa" else 129
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32, s=s)
     # float32 with the blocks float32 runs with (a prefill's bf16 blocks exceed shared memory in float32)
     np.testing.assert_allclose(kernel_path(q, pool, widx, sinks, kwargs, **blocks_for(jnp.float32)),
