@@ -1,7 +1,7 @@
 """The long-context cost curve: ms a layer against context, log-log, from bench/stack.py records.
 
-    python bench/long_context_plot.py bench/results/h200_long_decode_2026-12-02_s36.json \
-        bench/results/h200_long_prefill_2026-12-02_s36.json --out bench/results/h200_long_context_2026-12-02_s36.png
+    python bench/long_context_plot.py bench/results/h200_long_decode_2026-12-04_s44.json \
+        bench/results/h200_long_prefill_2026-12-04_s44.json --out bench/results/h200_long_context_2026-12-04_s44.png
 
 Left: decode (``stack_decode`` records), one line per (stack, batch) against the context, with
 the bytes floor of the same cells dashed. Right: prefill of a prompt into empty caches

@@ -153,16 +153,18 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "python3 bench/stack.py --size flash --stacks mixed --scenarios stack_decode",
      H200, "d88f675", stack),
     ("Long context: decode from 128k to 1M tokens (stacks of 4 on the same buffers)",
-     "h200_long_decode_2026-12-02_s36.json",
-     "python3 bench/stack.py --size flash --scenarios stack_decode --stacks csa,hca --batches 1,8,32 "
-     "--contexts 131072,262144,524288,1048576 --same-buffers all",
-     H200 + "; three processes (merged record)", "8cfedf1", stack),
+     "h200_long_decode_2026-12-04_s44.json",
+     "python3 bench/stack.py --size flash --scenarios stack_decode --stacks csa|hca --batches 1,8,32|1,8 "
+     "--contexts 131072,1048576|262144,524288|131072,262144,524288,1048576 --same-buffers all",
+     H200 + "; three processes in one lease (merged record; CSA B = 32 at 256k and 512k not run)", "abddf42",
+     stack),
     ("Long context: prefill from 4k to 1M tokens (stacks of 2; 1M by chunks)",
-     "h200_long_prefill_2026-12-04_s43.json",
+     "h200_long_prefill_2026-12-04_s44.json",
      "python3 bench/stack.py --size flash --scenarios stack_prefill --stacks csa|hca --layers-per-stack 2 "
      "--prefills 16384,65536,131072,262144|4096,16384,65536|262144,524288|1048576 [--prefill-chunk auto] "
      "--repeats 3|5|2|1",
-     H200 + "; five processes (merged record): HCA session 37, CSA session 43", "d8a5829 (CSA)", long_prefill),
+     H200 + "; six processes (merged record): HCA session 37, CSA sessions 43 (16k-256k, 1M) and 44 (512k)",
+     "d8a5829 (CSA)", long_prefill),
     ("Break modes: the device break and the XLA selection against `none` (one CSA layer)",
      "h200_flash_device_break_2026-12-01.json",
      "python3 bench/run.py --size flash --layers csa --scenarios decode_pr,decode_long "
