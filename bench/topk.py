@@ -15,8 +15,9 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               them in their stored form (`native.select_topk_fp4`, the default), against a
               dequantized bf16 copy handed to `native.select_topk` (`select_keys="dequantized"`),
               and against a bf16 cache's keys (the same values, 256 bytes a key), and the
-              Pallas scoring over those (``--pallas-configs``; the layer keeps the handler's
-              scoring for decode, where it measured faster).
+              Pallas scoring over those and over the stored form (``--pallas-configs``;
+              `index_scores` / `index_scores_fp4`, each followed by the native top-k; the layer
+              keeps the handler's scoring for decode until these measure faster).
 * ``select_prefill``  one query block of a long prefill (256 queries on a causal ramp, B = 1,
               bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
               the top-k alone on the same scores (with ``--device-time`` each kernel's own time
@@ -176,9 +177,11 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
         "native-fp4-dequantized": dequantized,
         "native-bf16-keys": lambda q, w, c, s, dense, v: native.select_topk(q, w, dense, v, top_k=k, graph=True)[0],
     }
-    for config in pallas_configs(configs):  # the Pallas scoring over the bf16 keys
+    for config in pallas_configs(configs):  # the Pallas scoring over the bf16 keys, then over the stored form
         select = pallas_select(config, k)
         variants[pallas_name(config)] = lambda q, w, c, s, dense, v, select=select: select(q, w, dense, v)
+        select = pallas_select(config, k, stored=True)
+        variants[pallas_name(config, stored=True)] = lambda q, w, c, s, dense, v, select=select: select(q, w, (c, s), v)
     return time_variants("select_fp4", variants, (q, w, codes, scales, dense, visible), unroll, repeats,
                          {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
                           "key_bytes": {"mxfp4": dim // 2 + dim // 32, "bfloat16": 2 * dim}, "dtype": "mxfp4"})
@@ -200,17 +203,24 @@ def pallas_configs(spec: str) -> list[dict]:
     return out
 
 
-def pallas_name(config: dict) -> str:
-    return "native-pallas-scores[b{block} t{tiles} w{num_warps} s{num_stages}]+topk".format(**config)
+def pallas_name(config: dict, stored: bool = False) -> str:
+    scores = "pallas-fp4-scores" if stored else "pallas-scores"
+    return f"native-{scores}[b{{block}} t{{tiles}} w{{num_warps}} s{{num_stages}}]+topk".format(**config)
 
 
-def pallas_select(config: dict, k: int):
+def pallas_select(config: dict, k: int, stored: bool = False):
     """picks of queries [B, S, nI, c] against keys [B, T, c]: the Pallas scoring kernel
     (`indexer_kernel.index_scores`; interpret mode off the GPU), then the native top-k: what
-    the layer's native selection runs for a prefill chunk on CUDA (`KernelPlan.select_scores`)."""
+    the layer's native selection runs for a prefill chunk on CUDA (`KernelPlan.select_scores`).
+    `stored`: keys are an FP8 cache's (codes, scale bytes), scored by `index_scores_fp4`
+    (`KernelPlan.select_keys="stored"`)."""
 
     def select(q, w, keys, visible):
-        scores = indexer_kernel.index_scores(q, w, keys, visible, interpret=jax.default_backend() != "gpu", **config)
+        interpret = jax.default_backend() != "gpu"
+        if stored:
+            scores = indexer_kernel.index_scores_fp4(q, w, *keys, visible, interpret=interpret, **config)
+        else:
+            scores = indexer_kernel.index_scores(q, w, keys, visible, interpret=interpret, **config)
         return native.topk(scores, visible, top_k=k, graph=True)
 
     return select

@@ -118,7 +118,7 @@ class BreakPlan:
         if self.native_select:
             select = functools.partial(_select_native, graph=self.mode == "none",
                                        segments=self.kernels.select_segments,
-                                       stored_keys=self.kernels.select_keys != "dequantized",
+                                       select_keys=self.kernels.select_keys,
                                        scoring=self.kernels.select_scores)
         elif self.mode == "narrow":
             select = _select_on_host
@@ -313,19 +313,22 @@ def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k,
 
 
 def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
-                   graph: bool, segments: int | None = None, stored_keys: bool = True,
+                   graph: bool, segments: int | None = None, select_keys: str = "auto",
                    scoring: str = "native") -> indexer.Selection:
     """The native selection, blocked over queries like `indexer.select_topk` (bounds the
     [B, block, T] scores of long prefills); the eager break unless `graph`; `segments` as
-    `KernelPlan.select_segments`. An FP8 cache's keys (`QuantizedRows`) go to the handler in
-    their stored form (`native.select_topk_fp4`) unless not `stored_keys`
-    (`KernelPlan.select_keys="dequantized"`). `scoring`: `KernelPlan.select_scores` (resolved
-    for the platform); where it chooses the Pallas kernel (`indexer_kernel.choose`) the
-    handler's top-k picks from that kernel's scores, and an FP8 cache's keys are dequantized."""
+    `KernelPlan.select_segments`. `scoring`: `KernelPlan.select_scores` (resolved for the
+    platform); where it chooses the Pallas kernel (`indexer_kernel.choose`) the handler's top-k
+    picks from that kernel's scores. An FP8 cache's keys (`QuantizedRows`), by
+    `KernelPlan.select_keys`: the handler's scoring reads their stored form
+    (`native.select_topk_fp4`) unless "dequantized"; the Pallas kernel reads it
+    (`indexer_kernel.index_scores_fp4`) where "stored", else a dequantized copy ("auto": its
+    stored-form reading is not yet gated on a GPU)."""
     dense = read(keys)
     scoring = indexer_kernel.choose(scoring, queries, dense)
-    if (scoring == "native" and stored_keys and isinstance(keys, QuantizedRows) and keys.grid == "fp4"
-            and keys.block == numerics.FP4_BLOCK):
+    fp4 = isinstance(keys, QuantizedRows) and keys.grid == "fp4" and keys.block == numerics.FP4_BLOCK
+    stored = fp4 and (select_keys != "dequantized" if scoring == "native" else select_keys == "stored")
+    if scoring == "native" and stored:
 
         def select_fp4_block(q, w, vis, codes, key_scales):
             picks, scores = native.select_topk_fp4(q, w, codes, key_scales, vis, top_k=top_k, graph=graph,
@@ -334,6 +337,16 @@ def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False,
             return indexer.Selection(picks, scores if with_scores else None)
 
         return map_query_blocks(select_fp4_block, (queries, weights, visible), (keys.values, keys.scales), block)
+
+    if stored:  # the Pallas kernel over the stored form
+
+        def score_fp4_block(q, w, vis, codes, key_scales):
+            scores = indexer_kernel.index_scores_fp4(*jax.lax.stop_gradient((q, w)), codes, key_scales, vis,
+                                                     dtype=dense.dtype, interpret=scoring == "interpret")
+            picks = native.topk(scores, vis, top_k=top_k, graph=graph, segments=segments)
+            return indexer.Selection(picks, scores if with_scores else None)
+
+        return map_query_blocks(score_fp4_block, (queries, weights, visible), (keys.values, keys.scales), block)
 
     def select_block(q, w, vis, k):
         if scoring == "native":

@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from .backend import Array
 
@@ -46,29 +47,104 @@ NUM_WARPS = 8   # measured against 4 at 64k / 262k entries: 681 / 2746 us agains
 NUM_STAGES = 3
 
 
-def _kernel(visible_ref, q_ref, w_ref, keys_ref, out_ref, *, block: int, tiles: int, scale: float):
+def decode_fp4(codes: Array, scale_bytes: Array, dtype) -> Array:
+    """MXFP4 keys to `dtype`, as `numerics.dequantize_bits(numerics.unpack_fp4(codes), ...)`:
+    codes uint8 [n, c / 2] (channel 2i in the low nibble of byte i), scale_bytes uint8
+    [n, c / 32] (``2 ** (byte - 127)``, 0 -> zero) -> [n, c]. Each value is the float32 product
+    of its e2m1 value and its block's scale, then one rounding to `dtype` (exact where the
+    product is): the bf16 cache's keys, bit for bit. Arithmetic the Triton lowering takes (no
+    table lookups): integer ops, a bitcast for the scale, one interleave of the two nibbles."""
+    n, half = codes.shape
+    blocks = scale_bytes.shape[-1]
+
+    def value(code):  # int32 e2m1 codes (sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32
+        exponent, mantissa = (code & 7) >> 1, (code & 1).astype(jnp.float32)
+        power = jnp.left_shift(1, jnp.maximum(exponent - 1, 0)).astype(jnp.float32)
+        magnitude = jnp.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
+        return jnp.where(code >= 8, -magnitude, magnitude)  # code 8 is -0.0, as unpack_fp4's
+
+    wide = codes.astype(jnp.int32)
+    scale = jax.lax.bitcast_convert_type(jnp.left_shift(scale_bytes.astype(jnp.int32), 23), jnp.float32)
+    per_byte = jnp.broadcast_to(scale[:, :, None], (n, blocks, half // blocks)).reshape(n, half)
+    pairs = jnp.stack([value(wide & 15) * per_byte, value(wide >> 4) * per_byte], axis=-1)  # [n, c / 2, 2]
+    return pairs.reshape(n, 2 * half).astype(dtype)
+
+
+def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: float, seq: int, slots: int,
+            dtype):
+    *key_refs, out_ref = refs  # keys [B, T, c], or codes [B, T, c/2] and scale bytes [B, T, c/32]; out [R, T]
+    r = pl.program_id(0)
+    source = r // seq
     first = pl.program_id(1) * block * tiles
     visible = visible_ref[0]
     n_loaded = jnp.clip((visible - first + block - 1) // block, 0, tiles)
+    n_blocks = jnp.clip((slots - first + block - 1) // block, 0, tiles)  # blocks inside [0, T)
     q = q_ref[0]                              # [nI, c]
     w = w_ref[0].astype(jnp.float32)          # [nI]
     entries = jnp.arange(block, dtype=jnp.int32)
+    ragged = slots % block != 0  # static: a partial last block, its loads and stores masked
+
+    def load(ref, start):
+        at = ref.at[source, pl.ds(start, block), :]
+        if not ragged:
+            return at[...]
+        return plgpu.load(at, mask=(start + entries < slots)[:, None], other=0)
+
+    def store(start, values):
+        at = out_ref.at[r, pl.ds(start, block)]
+        if ragged:
+            plgpu.store(at, values, mask=start + entries < slots)
+        else:
+            at[...] = values
+
+    def keys_at(start):  # [block, c] in the compute dtype
+        if len(key_refs) == 1:
+            return load(key_refs[0], start)
+        return decode_fp4(load(key_refs[0], start), load(key_refs[1], start), dtype)
 
     def score_block(n, carry):
-        k = keys_ref[pl.ds(n * block, block), :]  # [block, c]
+        start = first + n * block
+        k = keys_at(start)
         dots = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s = (jnp.maximum(dots, 0.0) * jnp.float32(scale) * w[None, :]).sum(axis=1)  # [block]
         s = jnp.where(s == 0.0, jnp.float32(0.0), s)  # fold -0.0 into +0.0: ties must compare equal
-        out_ref[0, pl.ds(n * block, block)] = jnp.where(first + n * block + entries < visible, s, -jnp.inf)
+        store(start, jnp.where(start + entries < visible, s, -jnp.inf))
         return carry
 
     jax.lax.fori_loop(0, n_loaded, score_block, 0)
 
     def unloaded(n, carry):  # blocks past the row's visible entries
-        out_ref[0, pl.ds(n * block, block)] = jnp.full((block,), -jnp.inf, jnp.float32)
+        store(first + n * block, jnp.full((block,), -jnp.inf, jnp.float32))
         return carry
 
-    jax.lax.fori_loop(n_loaded, tiles, unloaded, 0)
+    jax.lax.fori_loop(n_loaded, n_blocks, unloaded, 0)
+
+
+def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, tiles, num_warps, num_stages):
+    batch, seq, heads, dim = queries.shape
+    slots = key_arrays[0].shape[1]
+    extra = {}
+    if not interpret:
+        extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    rows = batch * seq
+    whole = pl.no_block_spec  # the keys and the scores: each program reads and writes its span itself
+    out = pl.pallas_call(
+        functools.partial(_kernel, block=block, tiles=tiles, scale=dim ** -0.5, seq=seq, slots=slots, dtype=dtype),
+        grid=(rows, -(-slots // (block * tiles))),
+        in_specs=[
+            pl.BlockSpec((1,), lambda r, j: (r,)),
+            pl.BlockSpec((1, heads, dim), lambda r, j: (r, 0, 0)),
+            pl.BlockSpec((1, heads), lambda r, j: (r, 0)),
+            *[whole] * len(key_arrays),
+        ],
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((rows, slots), jnp.float32),
+        interpret=interpret,
+        name="indexer_scores_kernel",
+        **extra,
+    )(visible.astype(jnp.int32).reshape(rows), queries.reshape(rows, heads, dim),
+      weights.astype(jnp.float32).reshape(rows, heads), *key_arrays)
+    return out.reshape(batch, seq, slots)
 
 
 def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *, interpret: bool = False,
@@ -76,39 +152,27 @@ def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *,
                  num_stages: int = NUM_STAGES) -> Array:
     """`indexer.index_scores` by the kernel: float32 [B, S, T] (see the module doc).
 
-    Keys whose T is not a multiple of block * tiles are padded to one and the scores cut back
-    (copies; caches of a power of two of entries take none). No gradient: the native selection
+    Any T: a partial last block of keys is loaded and its scores stored under a mask (no
+    padded copy of the keys, no cut of the scores). No gradient: the native selection
     differentiates its scores as the XLA twin's (`breaks._scores_with_gradient`).
     """
-    batch, seq, heads, dim = queries.shape
-    slots = keys.shape[1]
-    span = block * tiles
-    padded = -(-slots // span) * span
-    if padded != slots:
-        keys = jnp.pad(keys, ((0, 0), (0, padded - slots), (0, 0)))
-    extra = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pl_triton
+    return _call(queries, weights, (keys,), visible, dtype=keys.dtype, interpret=interpret, block=block,
+                 tiles=tiles, num_warps=num_warps, num_stages=num_stages)
 
-        extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    rows = batch * seq
-    out = pl.pallas_call(
-        functools.partial(_kernel, block=block, tiles=tiles, scale=dim ** -0.5),
-        grid=(rows, padded // span),
-        in_specs=[
-            pl.BlockSpec((1,), lambda r, j: (r,)),
-            pl.BlockSpec((1, heads, dim), lambda r, j: (r, 0, 0)),
-            pl.BlockSpec((1, heads), lambda r, j: (r, 0)),
-            pl.BlockSpec((None, span, dim), lambda r, j: (r // seq, j, 0)),
-        ],
-        out_specs=pl.BlockSpec((1, span), lambda r, j: (r, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, padded), jnp.float32),
-        interpret=interpret,
-        name="indexer_scores_kernel",
-        **extra,
-    )(visible.astype(jnp.int32).reshape(rows), queries.reshape(rows, heads, dim),
-      weights.astype(jnp.float32).reshape(rows, heads), keys)
-    return out[:, :slots].reshape(batch, seq, slots)
+
+def index_scores_fp4(queries: Array, weights: Array, codes: Array, scale_bytes: Array, visible: Array, *,
+                     dtype=jnp.bfloat16, interpret: bool = False, block: int = BLOCK, tiles: int = TILES,
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> Array:
+    """`index_scores` over an FP8 cache's indexer keys in their stored form (`QuantizedRows`
+    of grid "fp4": codes uint8 [B, T, c / 2], scale_bytes uint8 [B, T, c / 32]), each key
+    decoded where it is loaded (`decode_fp4`) to `dtype`, the cache's: 68 bytes a key read
+    instead of 256, and the scores of `index_scores` over the dequantized keys, bit for bit
+    (the same values through the same dot; tests/test_indexer_kernel.py)."""
+    if codes.shape[-1] % scale_bytes.shape[-1] or (2 * codes.shape[-1]) // scale_bytes.shape[-1] != 32:
+        raise ValueError(f"scale_bytes: expected one scale per 32 channels of {2 * codes.shape[-1]}, got "
+                         f"{scale_bytes.shape[-1]}")
+    return _call(queries, weights, (codes, scale_bytes), visible, dtype=dtype, interpret=interpret, block=block,
+                 tiles=tiles, num_warps=num_warps, num_stages=num_stages)
 
 
 def supported(queries: Array, keys: Array) -> bool:

@@ -81,19 +81,21 @@ class KernelPlan:
         policy `native.topk_segments` (long rows among few are cut into segments merged after);
         1, one block a row. The picks are the same for every value.
     select_keys:       "auto" | "stored" | "dequantized"  how the native selection reads an FP8
-                       cache's indexer keys: "stored" hands their codes and scale bytes to the
-                       handler (`native.select_topk_fp4`), "dequantized" a dequantized copy
-                       (A/B runs; the same picks, bit for bit). "auto": "stored" (on the H200
-                       the selection takes 4.2x less time than with the copy at B = 8, 1M:
-                       bench/RESULTS.md "FP8 caches").
+                       cache's indexer keys: "stored" their codes and scale bytes, decoded where
+                       each key is loaded (by the handler, `native.select_topk_fp4`, or by the
+                       Pallas scoring kernel, `indexer_kernel.index_scores_fp4`), "dequantized" a
+                       dequantized copy (A/B runs; the same picks, bit for bit). "auto": the
+                       stored form for the handler (on the H200 its selection takes 4.2x less
+                       time than with the copy at B = 8, 1M: bench/RESULTS.md "FP8 caches"), the
+                       copy for the Pallas kernel (its stored-form reading awaits its H200 gate).
     select_scores:     "auto" | "native" | "pallas" | "interpret"  where the selection is native,
                        the scores its top-k picks from: "native" the handler's own scoring,
                        "pallas" the Pallas scoring kernel (`indexer_kernel`; on CUDA, for the
                        bf16 operands it takes, else "native"), "interpret" that kernel in
                        interpret mode. "auto": "pallas" for calls of several queries a row
                        (bench/RESULTS.md "Where a CSA prefill goes"), "native" for decode steps.
-                       An FP8 cache's keys reach the kernel as their dequantized copy (the same
-                       values as a bf16 cache's keys: the same scores, bit for bit).
+                       An FP8 cache's keys reach the kernel as `select_keys` says (either way
+                       the values of a bf16 cache's keys: the same scores, bit for bit).
     """
 
     select: str = "auto"
@@ -142,15 +144,15 @@ class KernelPlan:
         """This plan for `platform` ("cpu", "cuda", ...): "auto" selection decided by whether the
         native handlers are usable there; Pallas stages that only run on CUDA ("auto",
         "pallas") become "xla" elsewhere, and the scoring kernel ("auto", "pallas") "native".
-        The result holds no "auto" selection."""
+        The result holds no "auto" selection (`select_keys` keeps its "auto": what it means
+        depends on the scoring, which `indexer_kernel.choose` picks per call)."""
         select = self.select if self.select != "auto" else ("native" if native_available else "xla")
         stages = {}
         if platform != "cuda":
             stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas")}
             if self.select_scores in ("auto", "pallas"):
                 stages["select_scores"] = "native"
-        keys = self.select_keys if self.select_keys != "auto" else "stored"
-        return dataclasses.replace(self, select=select, select_keys=keys, **stages)
+        return dataclasses.replace(self, select=select, **stages)
 
     def attention(self, phase: str) -> str:
         """The sparse attention choice for a "decode" or "prefill" call."""

@@ -42,8 +42,9 @@ def assert_scores_match(got, want):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("block, tiles", [(16, 4), (128, 8)], ids=["small-blocks", "default-blocks"])
 def test_the_kernel_scores_as_the_xla_twin(dtype, block, tiles):
-    """Rows that see nothing, one entry, a block's edge, every entry (T = 300: the keys padded to
-    a whole program's span and the scores cut back); blocks past a row's entries not loaded."""
+    """Rows that see nothing, one entry, a block's edge, every entry (T = 300: a partial last
+    block, loaded and stored under a mask, and programs whose span ends past T); blocks past a
+    row's entries not loaded."""
     q, w, keys = random_operands(2, 4, 16, 32, 300, dtype)
     visible = jnp.asarray([[0, 5, 128, 300], [299, 17, 64, 1]], jnp.int32)
     got = indexer_kernel.index_scores(q, w, keys, visible, interpret=True, block=block, tiles=tiles)
@@ -98,36 +99,85 @@ def test_the_native_selection_picks_alike_with_the_kernel_scores(graph):
     assert_scores_match(got.scores, want.scores)
 
 
-@pytest.mark.skipif(not NATIVE, reason="the native handlers are not built")
-def test_an_fp8_caches_keys_reach_the_kernel_as_their_dequantized_values():
-    """With the kernel's scoring, an FP8 cache's MXFP4 keys are scored as their dequantized
-    values: the picks and scores of a bf16 cache holding those values, bit for bit."""
-    rng = np.random.default_rng(2)
-    batch, seq, heads, dim, slots = 1, 4, 16, 64, 96
+def fp4_rows(batch, slots, dim, seed, scale_bytes=(122, 130)):
+    """An FP8 cache's indexer keys: random MXFP4 codes (every e2m1 value, both signs) and scale bytes."""
+    rng = np.random.default_rng(seed)
     codes = jnp.asarray(rng.integers(0, 256, size=(batch, slots, dim // 2), dtype=np.uint8))
-    scales = jnp.asarray(rng.integers(122, 130, size=(batch, slots, dim // 32), dtype=np.uint8))
-    rows = QuantizedRows(values=codes, scales=scales, rope=jnp.zeros((batch, slots, 0), jnp.bfloat16),
+    scales = jnp.asarray(rng.integers(*scale_bytes, size=(batch, slots, dim // 32), dtype=np.uint8))
+    return QuantizedRows(values=codes, scales=scales, rope=jnp.zeros((batch, slots, 0), jnp.bfloat16),
                          block=32, grid="fp4")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_decode_fp4_is_the_caches_dequantization(dtype):
+    """The kernel's decoding of a stored key equals `QuantizedRows.dequantize`, bit for bit: every
+    byte (two e2m1 codes, -0.0 included) under scale bytes from 0 (a zero scale: an empty cache)
+    through subnormal, normal and large scales to 255 (a non-finite block)."""
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    codes = np.repeat(codes, 8, axis=0)  # [128, 16]: 32 channels a row, one scale block
+    scale_bytes = np.array([0, 1, 2, 20, 100, 120, 127, 130, 200, 254, 255, 126, 128, 3, 64, 190], np.uint8)
+    scales = np.tile(scale_bytes, 8)[:, None]  # [128, 1]: each byte row under 8 scales
+    rows = QuantizedRows(values=jnp.asarray(codes[None]), scales=jnp.asarray(scales[None]),
+                         rope=jnp.zeros((1, 128, 0), dtype), block=32, grid="fp4")
+    got = np.asarray(indexer_kernel.decode_fp4(jnp.asarray(codes), jnp.asarray(scales), dtype)).astype(np.float32)
+    want = np.asarray(rows.dequantize()[0]).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # signs of zeros and NaNs alike
+
+
+def test_stored_fp4_keys_score_as_their_dequantized_values():
+    """`index_scores_fp4` over the stored form gives `index_scores`' scores over the dequantized
+    keys, bit for bit (interpret mode; a partial last block: T = 300)."""
+    rows = fp4_rows(2, 300, 64, seed=5)
+    q, w, _ = random_operands(2, 3, 16, 64, 300, seed=6)
+    visible = jnp.asarray([[0, 129, 300], [300, 7, 256]], jnp.int32)
+    got = indexer_kernel.index_scores_fp4(q, w, rows.values, rows.scales, visible, interpret=True)
+    want = indexer_kernel.index_scores(q, w, rows.dequantize(), visible, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match=r"scale_bytes: expected one scale per 32 channels of 64, got 4"):
+        indexer_kernel.index_scores_fp4(q, w, rows.values, jnp.concatenate([rows.scales] * 2, -1), visible)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native handlers are not built")
+@pytest.mark.parametrize("select_keys", ["auto", "stored", "dequantized"])
+def test_an_fp8_caches_keys_score_as_their_dequantized_values(select_keys, monkeypatch):
+    """With the kernel's scoring, an FP8 cache's MXFP4 keys give the picks and scores of a bf16
+    cache holding their values, bit for bit, however they reach the kernel: their stored form
+    (`select_keys="stored"`, `index_scores_fp4`) or a dequantized copy ("auto", "dequantized")."""
+    batch, seq, heads, dim, slots = 1, 4, 16, 64, 96
+    rows = fp4_rows(batch, slots, dim, seed=2)
     q, w, _ = random_operands(batch, seq, heads, dim, slots, seed=3)
     visible = jnp.asarray([[93, 94, 95, 96]], jnp.int32)
+    calls = []
+    real = indexer_kernel.index_scores_fp4
+    monkeypatch.setattr(indexer_kernel, "index_scores_fp4", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def select(keys):
         return jax.jit(lambda q, w, k, v: breaks._select_native(q, w, k, v, top_k=8, with_scores=True, graph=True,
-                                                                scoring="interpret"))(q, w, keys, visible)
+                                                                scoring="interpret", select_keys=select_keys))(
+            q, w, keys, visible)
 
-    got, want = select(rows), select(rows.dequantize())
+    got = select(rows)
+    assert bool(calls) == (select_keys == "stored")
+    want = select(rows.dequantize())
     np.testing.assert_array_equal(np.asarray(got.picks), np.asarray(want.picks))
     np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
 
 
-def test_the_kernel_lowers_to_a_triton_kernel_for_cuda():
-    """At V4's sizes (nI = 64, c = 128, a query block of 256 against 8,192 entries) the kernel
-    lowers, on this CPU, to the Triton custom call a GPU compiles: what interpret mode cannot
-    check (the Triton lowering of its loop, dot and reductions)."""
-    args = (jax.ShapeDtypeStruct((1, 256, 64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256, 64), jnp.float32),
-            jax.ShapeDtypeStruct((1, 8192, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256), jnp.int32))
+@pytest.mark.parametrize("keys, slots", [("bf16", 8192), ("bf16", 8000), ("fp4", 8192), ("fp4", 8000)])
+def test_the_kernel_lowers_to_a_triton_kernel_for_cuda(keys, slots):
+    """At V4's sizes (nI = 64, c = 128, a query block of 256 against 8,192 entries, or 8,000: a
+    partial last block) the kernel, over bf16 keys or MXFP4 ones, lowers on this CPU to the
+    Triton custom call a GPU compiles: what interpret mode cannot check (the Triton lowering of
+    its loop, masked loads and stores, dot, reductions and the FP4 decoding)."""
+    q, w = jax.ShapeDtypeStruct((1, 256, 64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
+    visible = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    if keys == "bf16":
+        fn, args = indexer_kernel.index_scores, (q, w, jax.ShapeDtypeStruct((1, slots, 128), jnp.bfloat16), visible)
+    else:
+        fn, args = indexer_kernel.index_scores_fp4, (q, w, jax.ShapeDtypeStruct((1, slots, 64), jnp.uint8),
+                                                     jax.ShapeDtypeStruct((1, slots, 4), jnp.uint8), visible)
     try:
-        text = jax.jit(indexer_kernel.index_scores).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     except RuntimeError as err:  # jax >= 0.12 reads the GPU's compute capability here
         if "No supported GPU devices found" not in str(err):
             raise
@@ -153,3 +203,24 @@ def test_gpu_kernel_scoring_at_flash_sizes_picks_the_handlers_sets(slots):
     assert_scores_match(got.scores, want.scores)
     got_picks, want_picks = np.asarray(got.picks), np.asarray(want.picks)
     np.testing.assert_array_equal(np.sort(got_picks, axis=-1), np.sort(want_picks, axis=-1))
+
+
+@pytest.mark.skipif(not (ON_GPU and NATIVE), reason="the Triton kernel and the native CUDA handlers need CUDA")
+@pytest.mark.parametrize("batch, seq, slots", [(8, 1, 65536), (1, 256, 8000)], ids=["decode", "prefill-ragged"])
+def test_gpu_stored_fp4_keys_score_as_their_dequantized_values(batch, seq, slots):
+    """On the H200 at V4-Flash sizes (nI = 64, c = 128): the Triton kernel over an FP8 cache's
+    stored keys gives its scores over the dequantized keys bit for bit (the contract between
+    the two caches, which `select_keys="stored"` needs before it can be a default), and picks
+    the sets the handler's stored-form selection picks (a decode step of 8 rows; a query block
+    of a prefill over a T with a partial last block)."""
+    rows = fp4_rows(batch, slots, 128, seed=7)
+    q, w, _ = random_operands(batch, seq, 64, 128, 8, seed=8)
+    visible = jnp.asarray(np.broadcast_to(slots - (seq - 1 - np.arange(seq)) // 4, (batch, seq)), jnp.int32)
+    got = jax.jit(indexer_kernel.index_scores_fp4)(q, w, rows.values, rows.scales, visible)
+    want = jax.jit(indexer_kernel.index_scores)(q, w, rows.dequantize(), visible)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    picks = native.topk(got, visible, top_k=512, graph=True)
+    handler_picks, handler_scores = native.select_topk_fp4(q, w, rows.values, rows.scales, visible, top_k=512,
+                                                           graph=True)
+    assert_scores_match(got, handler_scores)
+    np.testing.assert_array_equal(np.sort(np.asarray(picks), axis=-1), np.sort(np.asarray(handler_picks), axis=-1))

@@ -282,9 +282,10 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     lowered = jax.jit(lambda q, w, rows, v: copy.indexer_select()(q, w, rows, v, top_k=64).picks).lower(
         q, w, rows, visible)
     assert "dsv4_select_topk_fp4" not in lowered.as_text() and "dsv4_select_topk" in lowered.as_text()
-    # The default everywhere: the stored form.
-    assert dsv4_jax.KernelPlan().resolve("cpu", True).select_keys == "stored"
-    assert dsv4_jax.KernelPlan().resolve("cuda", True).select_keys == "stored"
+    # The default everywhere: the stored form for the handler's scoring ("auto" stays in the plan:
+    # the Pallas scoring kernel reads a dequantized copy unless "stored", tests/test_indexer_kernel.py).
+    assert dsv4_jax.KernelPlan().resolve("cpu", True).select_keys == "auto"
+    assert dsv4_jax.KernelPlan().resolve("cuda", True).select_keys == "auto"
     with pytest.raises(ValueError, match=r"kernels\.select_keys"):
         dsv4_jax.KernelPlan(select_keys="packed")
 
