@@ -82,6 +82,7 @@ def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: flo
     q = q_ref[0]                              # [nI, c]
     w = w_ref[0].astype(jnp.float32)          # [nI]
     entries = jnp.arange(block, dtype=jnp.int32)
+    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     ragged = slots % block != 0  # static: a partial last block, its loads and stores masked
 
     def load(ref, start):
@@ -105,7 +106,9 @@ def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: flo
     def score_block(n, carry):
         start = first + n * block
         k = keys_at(start)
-        dots = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        # float32 runs only in interpret mode (tests), whose dots on a GPU would otherwise be TF32.
+        dots = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=exact,
+                                   preferred_element_type=jnp.float32)
         s = (jnp.maximum(dots, 0.0) * jnp.float32(scale) * w[None, :]).sum(axis=1)  # [block]
         s = jnp.where(s == 0.0, jnp.float32(0.0), s)  # fold -0.0 into +0.0: ties must compare equal
         store(start, jnp.where(start + entries < visible, s, -jnp.inf))
