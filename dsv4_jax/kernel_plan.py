@@ -19,9 +19,6 @@ stage                  kernel                                 reference
 ``attention_backward`` the sparse attention kernel's          the VJP of `sparse_attention.
                        gradient as a Pallas kernel            _xla_path`
                        (`sparse_attention_backward`)
-``query_backward``     the gradient of the queries' norm and  XLA's gradient of the composition
-                       RoPE as one custom VJP (`rope.
-                       norm_rotate_queries`)
 =====================  =====================================  ==================================
 
 `kernels=` names a whole plan:
@@ -29,8 +26,7 @@ stage                  kernel                                 reference
 * ``"auto"`` (default): what measured faster on the platform: the native selection where it is
   built; on CUDA the Pallas kernels for the shapes they won on (`sparse_attention_kernel.
   CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step, the indexer's scoring kernel
-  for bf16 calls of several queries a row), the queries' fused gradient; the XLA reference
-  elsewhere.
+  for bf16 calls of several queries a row); the XLA reference elsewhere.
 * ``"xla"``: every stage by its XLA reference: no native handler, no Pallas kernel.
 * ``"native"``: as "auto", but the native handlers are required (an error names why they are not
   usable).
@@ -77,11 +73,6 @@ class KernelPlan:
                        "auto" its backward kernel (`sparse_attention_backward`, where the Triton
                        kernel takes the shapes; interpret mode where the forward is), "xla" the
                        XLA reference's VJP
-    query_backward:    "auto" | "fused" | "xla"  the gradient of the queries' per-head norm and
-                       RoPE (`rope.norm_rotate_queries`): "fused" one custom VJP (on the H200, CSA
-                       and HCA 4k training steps: bench/RESULTS.md "Training"), "xla" XLA's
-                       gradient of the composition (forward mode too). "auto": "fused" on CUDA,
-                       "xla" elsewhere; the "interpret" plan takes "fused" (CPU tests).
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
@@ -112,7 +103,6 @@ class KernelPlan:
     prefill_attention: str = "auto"
     compress: str = "auto"
     attention_backward: str = "auto"
-    query_backward: str = "auto"
     decode_blocks: tuple[int, ...] | None = None
     prefill_blocks: tuple[int, ...] | None = None
     select_segments: int | None = None
@@ -124,7 +114,6 @@ class KernelPlan:
         for stage in PALLAS_STAGES:
             check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
         check_choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
-        check_choice("kernels.query_backward", self.query_backward, ("auto", "fused", "xla"))
         check_choice("kernels.select_keys", self.select_keys, ("auto", "stored", "dequantized"))
         check_choice("kernels.select_scores", self.select_scores, SCORES_CHOICES)
         for name in ("decode_blocks", "prefill_blocks"):
@@ -145,23 +134,20 @@ class KernelPlan:
         check_choice("kernels", kernels, KERNELS)
         if kernels == "xla":
             return cls(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla",
-                       attention_backward="xla", query_backward="xla")
+                       attention_backward="xla")
         if kernels == "interpret":
             return cls(decode_attention="interpret", prefill_attention="interpret", compress="interpret",
-                       select_scores="interpret", query_backward="fused")
+                       select_scores="interpret")
         return cls(select="native" if kernels == "native" else "auto")
 
     def resolve(self, platform: str, native_available: bool) -> KernelPlan:
         """This plan for `platform` ("cpu", "cuda", ...): "auto" selection decided by whether the
         native handlers are usable there; Pallas stages that only run on CUDA ("auto",
-        "pallas") become "xla" elsewhere, and the scoring kernel ("auto", "pallas") "native";
-        ``query_backward`` "auto" is "fused" on CUDA, else "xla".
+        "pallas") become "xla" elsewhere, and the scoring kernel ("auto", "pallas") "native".
         The result holds no "auto" selection (`select_keys` keeps its "auto": what it means
         depends on the scoring, which `indexer_kernel.choose` picks per call)."""
         select = self.select if self.select != "auto" else ("native" if native_available else "xla")
         stages = {}
-        if self.query_backward == "auto":
-            stages["query_backward"] = "fused" if platform == "cuda" else "xla"
         if platform != "cuda":
             stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas")}
             if self.select_scores in ("auto", "pallas"):

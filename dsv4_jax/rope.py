@@ -10,16 +10,12 @@ Sliding layers use the "main" frequencies (theta 10000); CSA/HCA layers use "com
 
 from __future__ import annotations
 
-import functools
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .backend import Array, namespace, update_trailing
 from .config import DeepseekV4Config
-from .norms import head_rms_norm
 
 
 def inv_freq(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
@@ -95,56 +91,3 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     if in_place and xp is not np:
         return update_trailing(x, rotated)
     return xp.concatenate([nope, rotated], axis=-1)
-
-
-def norm_rotate_queries(q: Array, positions: Array, freqs: Array, *, eps: float, scale: float = 1.0,
-                        fused_backward: bool = False) -> Array:
-    """The queries of stage 2: the per-head RMSNorm (`norms.head_rms_norm`), then RoPE in place.
-
-    q [B, S, H, D] (the q_b projection, compute dtype), positions [B, S] -> [B, S, H, D].
-    `fused_backward` (under JAX; the kernel plan's ``query_backward="fused"``): the same values,
-    differentiated by a custom VJP (reverse mode only) that takes the output's cotangent g
-    through the rotation's transpose in place and then the norm's gradient in float32,
-
-        g' = g with its trailing channels rotated back    (the rotation's transpose, in place)
-        f  = 1 / sqrt(mean(q^2) + eps)                     [B, S, H, 1] float32, as the forward
-        dq = g' * round(f) - q * f^3 / D * sum(g' * q)     rounded once to q's dtype
-
-    where XLA's own gradient of the composition takes several float32 passes over the
-    [B, S, H, D] queries (a training step's largest activations) and copies the rotated queries
-    to keep the unrotated ones for the norm's gradient. The gradient equals XLA's up to the
-    order of float32 sums and where it rounds to the compute dtype (XLA rounds each partial
-    gradient, here only dq).
-    """
-    xp = namespace(q, positions, freqs)
-    if fused_backward and xp is not np:
-        return _norm_rotate_fused(q, positions, freqs, float(eps), float(scale))
-    return apply_rope(head_rms_norm(q, eps), positions[..., None], freqs, scale=scale, in_place=True)
-
-
-def _norm_rotate(q, positions, freqs, eps, scale):
-    return norm_rotate_queries(q, positions, freqs, eps=eps, scale=scale)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _norm_rotate_fused(q, positions, freqs, eps, scale):
-    return _norm_rotate(q, positions, freqs, eps, scale)
-
-
-def _norm_rotate_fused_fwd(q, positions, freqs, eps, scale):
-    return _norm_rotate(q, positions, freqs, eps, scale), (q, positions, freqs)
-
-
-def _norm_rotate_fused_bwd(eps, scale, saved, g):
-    q, positions, freqs = saved
-    # The rotation's transpose is the inverse rotation (same rounded cos and sin, sin negated).
-    g = apply_rope(g, positions[..., None], freqs, scale=scale, inverse=True, in_place=True).astype(jnp.float32)
-    x = q.astype(jnp.float32)
-    factor = 1.0 / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    rounded = factor.astype(q.dtype).astype(jnp.float32)
-    along = jnp.sum(g * x, axis=-1, keepdims=True)
-    dq = g * rounded - x * (factor * factor * factor * along / q.shape[-1])
-    return dq.astype(q.dtype), None, None
-
-
-_norm_rotate_fused.defvjp(_norm_rotate_fused_fwd, _norm_rotate_fused_bwd)
