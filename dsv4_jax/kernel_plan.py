@@ -87,7 +87,8 @@ class KernelPlan:
                        dequantized copy (A/B runs; the same picks, bit for bit). "auto": the
                        stored form for the handler (on the H200 its selection takes 4.2x less
                        time than with the copy at B = 8, 1M: bench/RESULTS.md "FP8 caches"), the
-                       copy for the Pallas kernel (its stored-form reading awaits its H200 gate).
+                       copy for the Pallas kernel (its stored-form reading, gated on the H200, made a CSA 64k
+                       prefill 1.5x slower: bench/RESULTS.md "FP8 caches").
     select_scores:     "auto" | "native" | "pallas" | "interpret"  where the selection is native,
                        the scores its top-k picks from: "native" the handler's own scoring,
                        "pallas" the Pallas scoring kernel (`indexer_kernel`; on CUDA, for the
