@@ -224,10 +224,13 @@ def first_line(err: BaseException) -> str:
 
 
 def kernel_plan(args) -> dsv4_jax.KernelPlan:
-    """--kernels (a name) with --attention-backward and bench/stack.py's kernel A/B switches."""
+    """--kernels (a name) with --attention-backward, --query-norm and bench/stack.py's kernel A/B
+    switches."""
     plan = stack_mod.kernel_plan(args, args.kernels)
     if args.attention_backward:
         plan = dataclasses.replace(plan, attention_backward=args.attention_backward)
+    if args.query_norm:
+        plan = dataclasses.replace(plan, query_norm=args.query_norm)
     return plan
 
 
@@ -255,7 +258,8 @@ def run(args, write=None) -> tuple[list, dict]:
                        "n_layers": len(stack.layers), "layer_indices": stack.indices, "batch": batch,
                        "prompt_len": length, "dtype": dtype.name, "remat": args.remat,
                        "break_mode": args.break_mode, "kernels": args.kernels,
-                       "attention_backward": kernel_plan(args).attention_backward, "repeats": args.repeats,
+                       "attention_backward": kernel_plan(args).attention_backward,
+                       "query_norm": kernel_plan(args).query_norm, "repeats": args.repeats,
                        **floors(stack, batch, length), "error": None}
                 try:
                     time_train(rec, stack, batch, length, args.repeats, args.seed, args.remat)
@@ -336,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", default="auto", choices=dsv4_jax.KERNELS, help="the layers' kernels (default auto)")
     ap.add_argument("--attention-backward", default=None, choices=("auto", "xla"),
                     help="the sparse attention kernel's gradient: its backward kernel (auto) or the XLA VJP")
+    ap.add_argument("--query-norm", default=None, choices=("auto", "pallas", "xla"),
+                    help="the queries' per-head norm: its Pallas kernels (auto: for prefill) or XLA")
     for flag in ("decode-kernel", "prefill-kernel", "compress-kernel"):  # bench/stack.py's A/B switches
         ap.add_argument(f"--{flag}", action="store_true", help=f"as bench/stack.py --{flag}")
         ap.add_argument(f"--no-{flag}", action="store_true", help=f"as bench/stack.py --no-{flag}")

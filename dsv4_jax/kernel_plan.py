@@ -19,6 +19,9 @@ stage                  kernel                                 reference
 ``attention_backward`` the sparse attention kernel's          the VJP of `sparse_attention.
                        gradient as a Pallas kernel            _xla_path`
                        (`sparse_attention_backward`)
+``query_norm``         the queries' per-head RMSNorm as two   `norms.head_rms_norm` (and XLA's
+                       Pallas kernels, forward and backward   gradient)
+                       (`head_norm_kernel`)
 =====================  =====================================  ==================================
 
 `kernels=` names a whole plan:
@@ -26,7 +29,8 @@ stage                  kernel                                 reference
 * ``"auto"`` (default): what measured faster on the platform: the native selection where it is
   built; on CUDA the Pallas kernels for the shapes they won on (`sparse_attention_kernel.
   CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step, the indexer's scoring kernel
-  for bf16 calls of several queries a row); the XLA reference elsewhere.
+  for bf16 calls of several queries a row, the queries' norm kernels for calls of several
+  queries a row); the XLA reference elsewhere.
 * ``"xla"``: every stage by its XLA reference: no native handler, no Pallas kernel.
 * ``"native"``: as "auto", but the native handlers are required (an error names why they are not
   usable).
@@ -58,7 +62,7 @@ KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
-PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress")
+PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,8 @@ class KernelPlan:
     decode_attention:  "auto" | "pallas" | "interpret" | "xla"  sparse attention, one query a row
     prefill_attention: the same, for calls of several queries a row
     compress:          the same, for the compressors' decode pooling
+    query_norm:        the same, for the queries' per-head RMSNorm and its gradient
+                       (`head_norm_kernel`; "auto": for calls of several queries a row)
     attention_backward: "auto" | "xla"  the gradient of the sparse attention kernel where it runs:
                        "auto" its backward kernel (`sparse_attention_backward`, where the Triton
                        kernel takes the shapes; interpret mode where the forward is), "xla" the
@@ -103,6 +109,7 @@ class KernelPlan:
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     compress: str = "auto"
+    query_norm: str = "auto"
     attention_backward: str = "auto"
     decode_blocks: tuple[int, ...] | None = None
     prefill_blocks: tuple[int, ...] | None = None
@@ -135,10 +142,10 @@ class KernelPlan:
         check_choice("kernels", kernels, KERNELS)
         if kernels == "xla":
             return cls(select="xla", decode_attention="xla", prefill_attention="xla", compress="xla",
-                       attention_backward="xla")
+                       query_norm="xla", attention_backward="xla")
         if kernels == "interpret":
             return cls(decode_attention="interpret", prefill_attention="interpret", compress="interpret",
-                       select_scores="interpret")
+                       query_norm="interpret", select_scores="interpret")
         return cls(select="native" if kernels == "native" else "auto")
 
     def resolve(self, platform: str, native_available: bool) -> KernelPlan:

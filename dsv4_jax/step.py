@@ -47,8 +47,9 @@ from .cache import (
 )
 from .compressor import CompressorWeights, compress, visible_entries
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
+from .head_norm_kernel import query_norm
 from .indexer import IndexerWeights, head_weights, index_queries
-from .norms import head_rms_norm, rms_norm
+from .norms import rms_norm
 from .quantized_cache import check_cache_numerics, read, read_picked
 from .rope import apply_rope, attention_factor, inv_freq
 from .sparse_attention import key_pool, sparse_attention
@@ -249,8 +250,8 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(head_rms_norm(q, cfg.rms_norm_eps), positions[..., None], freqs, scale=scale,
-                   in_place=True)
+    q = apply_rope(query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm), positions[..., None], freqs,
+                   scale=scale, in_place=True)
     kv = apply_rope(kv, positions, freqs, scale=scale)
     round_kv, _ = official_roundings(spec)
     if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert

@@ -206,7 +206,7 @@ def _triton_grads(layer: int, kernels, device=None):
 def test_gpu_gradients_with_the_triton_kernels_equal_the_cpu_reference(layer):
     """On the GPU with the Triton kernels forced for prefill and decode (and the native
     selection where built), float32 gradients equal the CPU's XLA reference gradients (rel 1e-4)."""
-    pallas = KernelPlan(decode_attention="pallas", prefill_attention="pallas", compress="pallas")
+    pallas = KernelPlan(decode_attention="pallas", prefill_attention="pallas", compress="pallas", query_norm="pallas")
     got = _triton_grads(layer, pallas)
     want = _triton_grads(layer, "xla", jax.devices("cpu")[0])
     assert_same_gradients(jax.device_get(got), jax.device_get(want), rtol=1e-4)

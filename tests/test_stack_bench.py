@@ -43,7 +43,8 @@ def test_the_command_lines_kernel_switches_become_the_layers_plan():
                                                  prefill_blocks=(32, 64, 4, 2, 0))
     assert stack.kernel_plan(args, "xla") == KernelPlan(select="xla", decode_attention="pallas",
                                                         prefill_attention="xla", compress="xla",
-                                                        attention_backward="xla", prefill_blocks=(32, 64, 4, 2, 0))
+                                                        query_norm="xla", attention_backward="xla",
+                                                        prefill_blocks=(32, 64, 4, 2, 0))
     cfg = stack.stack_config("tiny", 2)
     st = stack.Stack(cfg, "csa", 1, "float32", 0, "none", kernel_args=args)
     assert st.layers[0].kernels == stack.kernel_plan(args, "auto")
