@@ -110,14 +110,18 @@ def query_norm(q: Array, eps: float, choice: str = "xla") -> Array:
     ``KernelPlan.query_norm``, resolved for the platform): "xla" `head_rms_norm`; "interpret"
     the kernels in interpret mode; "pallas" the kernels where a GPU is the default backend (and
     where the program is lowered for CUDA: another platform's program keeps `head_rms_norm`);
-    "auto" as "pallas" for several queries a row, else "xla". NumPy arrays: `head_rms_norm`."""
+    "auto" as "pallas" for several queries a row, else "xla". NumPy arrays, and a head_dim the
+    Triton kernels cannot take (not a power of two >= 16): `head_rms_norm`."""
     if choice == "auto":
         choice = "pallas" if q.shape[1] > 1 else "xla"
     if choice == "xla" or namespace(q) is np:
         return head_rms_norm(q, eps)
     if choice == "interpret":
         return head_rms_norm_kernel(q, float(eps), True)
-    if jax.default_backend() != "gpu" or q.shape[-1] < 16:  # Pallas lowers Triton kernels only on a GPU
+    d = q.shape[-1]
+    # Pallas lowers Triton kernels only where a GPU is the default backend; Triton's blocks need
+    # a power-of-two width of at least 16.
+    if jax.default_backend() != "gpu" or d < 16 or d & (d - 1):
         return head_rms_norm(q, eps)
     return jax.lax.platform_dependent(
         q, cuda=lambda x: head_rms_norm_kernel(x, float(eps), False), default=lambda x: head_rms_norm(x, eps))
