@@ -26,6 +26,8 @@
 #             process per variant on one machine: ORDER (default "new old new"), AB_DIR (the files of
 #             "old" at their paths, default build/ab_old; any other tag T: build/ab_T), STACKS,
 #             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T)
+#   trainab   the same for the training step: bench/train.py --size flash $TRAIN_ARGS $ARGS_T per variant,
+#             ORDER and the swapped files as in ab -> $OUT/train_ab_<i>_<tag>.json
 #
 # e.g. TRAIN_ARGS="--stacks csa,hca --batches 1,4 --lengths 4096,16384" bash bench/gpu.sh gates train
 set -uo pipefail
@@ -129,27 +131,38 @@ fp8() {
   echo "fp8 stacks rc=$?"; grep "^stack_decode\|Error" "$OUT/fp8_stack.log" | tail -40
 }
 
-ab() {
-  local order=${ORDER:-new old new} saved=/tmp/ab_tree_saved tag d f i=0
-  variant_dir() {  # the files a tag swaps in: none for "new" and for a tag without its directory
-    case $1 in new) d="" ;; old) d="${AB_DIR:-build/ab_old}" ;; *) d="build/ab_$1" ;; esac
-    if [ -n "$d" ] && [ -d "$d" ]; then echo "$d"; fi
-  }
-  rm -rf "$saved"; mkdir -p "$saved"
-  for tag in $order; do  # the tree's own version of every file some variant replaces
-    d=$(variant_dir "$tag"); [ -n "$d" ] || continue
-    (cd "$d" && find . -type f) | while read -r f; do mkdir -p "$saved/$(dirname "$f")"; cp "$f" "$saved/$f"; done
+# The A/B variants' files: "new" is the tree, "old" AB_DIR (default build/ab_old), any other tag T
+# build/ab_T (files at their paths). `ab_prepare ORDER` saves the tree's version of every file some
+# variant replaces; `ab_use TAG` puts that variant's files in place (and rebuilds if csrc/ changed).
+ab_saved=/tmp/ab_tree_saved
+ab_variant_dir() {
+  local d
+  case $1 in new) d="" ;; old) d="${AB_DIR:-build/ab_old}" ;; *) d="build/ab_$1" ;; esac
+  if [ -n "$d" ] && [ -d "$d" ]; then echo "$d"; fi
+}
+ab_prepare() {
+  local tag d f
+  rm -rf "$ab_saved"; mkdir -p "$ab_saved"
+  for tag in $1; do
+    d=$(ab_variant_dir "$tag"); [ -n "$d" ] || continue
+    (cd "$d" && find . -type f) | while read -r f; do mkdir -p "$ab_saved/$(dirname "$f")"; cp "$f" "$ab_saved/$f"; done
   done
-  use() {
-    (cd "$saved" && find . -type f) | while read -r f; do cp "$saved/$f" "$f"; done
-    d=$(variant_dir "$1")
-    if [ -n "$d" ]; then (cd "$d" && find . -type f) | while read -r f; do cp "$d/$f" "$f"; done; fi
-    if (cd "$saved" && find . -type f) | grep -q "^./csrc/"; then
-      python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build_$1.log" 2>&1
-    fi
-  }
+}
+ab_use() {
+  local d f
+  (cd "$ab_saved" && find . -type f) | while read -r f; do cp "$ab_saved/$f" "$f"; done
+  d=$(ab_variant_dir "$1")
+  if [ -n "$d" ]; then (cd "$d" && find . -type f) | while read -r f; do cp "$d/$f" "$f"; done; fi
+  if (cd "$ab_saved" && find . -type f) | grep -q "^./csrc/"; then
+    python3 -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.DSV4_CUDA=ON >"$OUT/build_$1.log" 2>&1
+  fi
+}
+
+ab() {
+  local order=${ORDER:-new old new} tag i=0
+  ab_prepare "$order"
   for tag in $order; do
-    i=$((i + 1)); use "$tag"
+    i=$((i + 1)); ab_use "$tag"
     local extra_flags extra_args xla_flags
     extra_flags=$(eval echo "\${FLAGS_$tag:-}"); extra_args=$(eval echo "\${ARGS_$tag:-}")
     # XLA reads a non-empty XLA_FLAGS that does not start with "--" as a file name.
@@ -160,7 +173,20 @@ ab() {
         --json "$OUT/h200_stack_ab_${i}_$tag.json" >"$OUT/stack_ab_${i}_$tag.log" 2>&1 )
     echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -6
   done
-  use new
+  ab_use new
+}
+
+trainab() {
+  local order=${ORDER:-new old new} tag i=0 extra_args
+  ab_prepare "$order"
+  for tag in $order; do
+    i=$((i + 1)); ab_use "$tag"
+    extra_args=$(eval echo "\${ARGS_$tag:-}")
+    timeout "${TRAIN_TIMEOUT:-240}" python3 bench/train.py --size flash ${TRAIN_ARGS:-} $extra_args \
+      --json "$OUT/train_ab_${i}_$tag.json" >"$OUT/train_ab_${i}_$tag.log" 2>&1
+    echo "$i $tag rc=$?"; grep -v "^ *$" "$OUT/train_ab_${i}_$tag.log" | tail -8
+  done
+  ab_use new
 }
 
 for cmd in "$@"; do

@@ -23,10 +23,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import sparse_attention_backward, sparse_attention_kernel
 from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, reference_vjp
 from .kernel_plan import AUTO, KernelPlan
+from .rope import apply_rope
 
 
 class AttentionOutput(NamedTuple):
@@ -44,6 +46,31 @@ class AttentionOutput(NamedTuple):
     sink_mass: Array | None = None
     window_mass: Array | None = None
     compressed_mass: Array | None = None
+
+
+class OutputRotation(NamedTuple):
+    """The inverse RoPE at each query's position that the layer applies to the attention output
+    (stage 6's first step, `rope.apply_rope(..., inverse=True)`), handed to `sparse_attention`
+    so that it is part of the attention's gradient: the kernel path then keeps the de-rotated
+    output as its backward's residual, and the output is rotated in its own buffer, not copied
+    (on the H200 the copy cost 0.13 ms a layer of an HCA 4k training step).
+
+    positions [B, S] int32 (the call's; -1 = padded slot), freqs float32 [rd/2] (NumPy: static),
+    scale: the cos/sin scale (`rope.attention_factor`).
+    """
+
+    positions: Array
+    freqs: np.ndarray
+    scale: float = 1.0
+
+
+def _derotate(o: Array, positions: Array, freqs: np.ndarray, scale: float) -> Array:
+    return apply_rope(o, positions[..., None], freqs, inverse=True, scale=scale, in_place=True)
+
+
+def _derotate_transpose(do: Array, positions: Array, freqs: np.ndarray, scale: float) -> Array:
+    """The transpose of `_derotate` (a rotation by the opposite angle, same cos/sin and scale)."""
+    return apply_rope(do, positions[..., None], freqs, scale=scale, in_place=True)
 
 
 def window_indices(positions: Array, length: Array, window: int) -> Array:
@@ -96,6 +123,7 @@ def sparse_attention(
     precision=None,
     with_mass: bool = False,
     window_in_place: bool = False,
+    rotation: OutputRotation | None = None,
     kernels: KernelPlan = AUTO,
 ) -> AttentionOutput:
     """Attention of each query over its window keys and its compressed entries, with sinks.
@@ -113,6 +141,8 @@ def sparse_attention(
                float32 [B, S, H]; None otherwise)
     window_in_place: `window_idx[b, s, j]` is j or -1 (`key_pool`'s decode pool, S = 1): the
                XLA path reads the pool as the window keys, masked, instead of gathering a copy
+    rotation:  `OutputRotation`: o is returned de-rotated by it (the layer's inverse RoPE), the
+               same values as rotating the output afterwards
     kernels:   the step's `KernelPlan` (its ``decode_attention`` / ``prefill_attention``):
                without attention masses, `sparse_attention_kernel` may run instead of the XLA
                path; its gradient is `sparse_attention_backward`'s kernel or the XLA path's VJP
@@ -129,9 +159,14 @@ def sparse_attention(
 
         chosen = _kernel_blocks(q, entries, picks, kernels)
         if chosen is not None:
-            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward)
-            return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible))
-    return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
+            static = None if rotation is None else (rotation.freqs, float(rotation.scale))
+            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static)
+            positions = None if rotation is None else rotation.positions
+            return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible, positions))
+    out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
+    if rotation is None:
+        return out
+    return out._replace(o=_derotate(out.o, rotation.positions, rotation.freqs, rotation.scale))
 
 
 def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] | None:
@@ -163,23 +198,37 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
     return blocks, False
 
 
-def _by_kernel(reference, blocks: dict, interpret: bool, backward: str):
-    """``f(q, pool, window_idx, sinks, entries, picks, visible) -> o`` by the kernel, with a
-    gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where the
-    Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels on
-    CUDA, `reference` (and its VJP) on any other platform the program is lowered for."""
+def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None):
+    """``f(q, pool, window_idx, sinks, entries, picks, visible, positions) -> o`` by the kernel,
+    with a gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where
+    the Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels
+    on CUDA, `reference` (and its VJP) on any other platform the program is lowered for.
+
+    `rotation`: None, or (freqs, scale) of the output's de-rotation at `positions` (an
+    `OutputRotation`'s static part), applied to the kernel's output in place. The backward
+    kernel then gets the de-rotated output as its residual, the cotangent rotated back, and the
+    rotated channels' share of its `delta` (do' . o', computed here from their slices)."""
 
     def on_platform(kernel, default):
         if interpret:
             return kernel
         return functools.partial(jax.lax.platform_dependent, cuda=kernel, default=default)
 
-    def forward(q, pool, window_idx, sinks, entries, picks, visible, with_lse=False):
-        return sparse_attention_kernel.sparse_attention_kernel(
+    def derotate(o, positions):
+        return o if rotation is None else _derotate(o, positions, *rotation)
+
+    def composed(q, pool, window_idx, sinks, entries, picks, visible, positions):
+        return derotate(reference(q, pool, window_idx, sinks, entries, picks, visible), positions)
+
+    def forward(q, pool, window_idx, sinks, entries, picks, visible, positions, with_lse=False):
+        o = sparse_attention_kernel.sparse_attention_kernel(
             q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible, interpret=interpret,
             with_lse=with_lse, **blocks)
+        if with_lse:
+            return derotate(o[0], positions), o[1]
+        return derotate(o, positions)
 
-    attend = on_platform(forward, reference)
+    attend = on_platform(forward, composed)
     bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,
                       block_heads=sparse_attention_backward.BLOCK_HEADS)
 
@@ -195,7 +244,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str):
             return attend(*args), (args, None, None)
 
         def reference_with_lse(*a):  # another platform's program: the reference (its VJP needs no lse)
-            return reference(*a), jnp.zeros(a[0].shape[:3], jnp.float32)
+            return composed(*a), jnp.zeros(a[0].shape[:3], jnp.float32)
 
         o, lse = on_platform(functools.partial(forward, with_lse=True), reference_with_lse)(*args)
         return o, (args, o, lse)
@@ -203,20 +252,27 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str):
     def bwd(saved, do):
         args, o, lse = saved
         if lse is None:
-            return reference_vjp(reference, args, do)
+            return reference_vjp(composed, args, do)
 
-        def kernel_grads(q, pool, window_idx, sinks, entries, picks, visible, o, lse, do):
+        def kernel_grads(q, pool, window_idx, sinks, entries, picks, visible, positions, o, lse, do):
+            do = do.astype(q.dtype)
+            extra = {}
+            if rotation is not None:
+                n = 2 * rotation[0].shape[-1]
+                # This share first: the rotation back then updates do' in its own buffer.
+                delta_rotated = jnp.sum(do[..., -n:].astype(jnp.float32) * o[..., -n:].astype(jnp.float32), axis=-1)
+                do = _derotate_transpose(do, positions, *rotation)
+                extra = dict(rotated=n, delta_rotated=delta_rotated)
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
-                interpret=interpret, **bwd_blocks)
+                interpret=interpret, **bwd_blocks, **extra)
 
-        def reference_grads(q, pool, window_idx, sinks, entries, picks, visible, o, lse, do):
-            dq, dpool, _, dsinks, dentries, _, _ = reference_vjp(reference, (q, pool, window_idx, sinks, entries,
-                                                                             picks, visible), do)
+        def reference_grads(*a):
+            dq, dpool, _, dsinks, dentries, *_ = reference_vjp(composed, a[:8], a[-1])
             return dq, dpool, dsinks, dentries
 
         dq, dpool, dsinks, dentries = on_platform(kernel_grads, reference_grads)(*args, o, lse, do)
-        return dq, dpool, None, dsinks, dentries, None, None
+        return dq, dpool, None, dsinks, dentries, None, None, None
 
     call.defvjp(fwd, bwd)
     return call

@@ -8,8 +8,9 @@ One call runs the stages of vLLM's `attention_impl`, in order (names as in vLLM)
 2. ``wq_b_kv_insert``: ``wq_b``, per-head q norm, RoPE on q and kv, window-cache insert
 3. ``compressor``: gated pooling of completed windows into compressed entries (CSA/HCA)
 4. ``indexer``: its own key compressor, queries, scores, top-k (CSA)
-5. sparse attention: window keys + picked (CSA) / visible (HCA) entries + sink
-6. output: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``
+5. sparse attention: window keys + picked (CSA) / visible (HCA) entries + sink, then the
+   output's inverse RoPE at the query position (vLLM: the first step of the output)
+6. output: grouped ``wo_a``, then ``wo_b``
 
 Stages 2-4 are `run_stages`, written once for XLA and NumPy; the step's `BreakPlan` (from
 `break_mode`, `break_on` and `kernels`, see `breaks`) decides which of them run in a break and
@@ -51,8 +52,8 @@ from .head_norm_kernel import query_norm
 from .indexer import IndexerWeights, head_weights, index_queries
 from .norms import rms_norm
 from .quantized_cache import check_cache_numerics, read, read_picked
-from .rope import apply_rope, attention_factor, inv_freq
-from .sparse_attention import key_pool, sparse_attention
+from .rope import apply_rope, attention_factor, inv_freq, rotate_in_place
+from .sparse_attention import OutputRotation, key_pool, sparse_attention
 
 
 # ---------------------------------------------------------------------------- pytrees
@@ -250,8 +251,11 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm), positions[..., None], freqs,
-                   scale=scale, in_place=True)
+    norm = spec.plan.kernels.query_norm
+    # Where the norm may be a kernel (reverse mode only already), RoPE's gradient rotates the
+    # cotangent in its own buffer (`rotate_in_place`); "xla" keeps forward-mode AD possible.
+    rotate = functools.partial(apply_rope, in_place=True) if norm == "xla" else rotate_in_place
+    q = rotate(query_norm(q, cfg.rms_norm_eps, norm), positions[..., None], freqs, scale=scale)
     kv = apply_rope(kv, positions, freqs, scale=scale)
     round_kv, _ = official_roundings(spec)
     if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert
@@ -413,16 +417,18 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     with jax.named_scope("sparse_attention"):
         pool, window_idx, in_place = key_pool(read(cache.window), read(stages.window), stages.kv, positions, length,
                                               cfg.sliding_window)
+        # The output's inverse RoPE (stage 6's first step) is part of the attention, so that
+        # its gradient keeps the de-rotated output as the residual (no copy of the output).
         attended = sparse_attention(
             stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
             entries=entries, picks=picks, visible=visible if spec.layer_type == HCA else None,
             block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
-            kernels=spec.plan.kernels,
+            rotation=output_rotation(positions, spec), kernels=spec.plan.kernels,
         )
 
-    # 6. Inverse RoPE at the query position, grouped low-rank output projection.
+    # 6. Grouped low-rank output projection (of the output de-rotated above).
     with jax.named_scope("output_projection"):
-        out = output_projection(attended.o, positions, weights, spec)
+        out = output_projection(attended.o, weights, spec)
     count = real_tokens(positions)  # [B] real tokens per row (a ragged call pads with -1)
     real = positions >= 0  # [B, S]
     overflow = overflows(length, count, cache.max_seq_len)  # [B]; such rows were written nothing
@@ -493,11 +499,15 @@ def check_in_graph(length, positions, max_seq_len: int) -> None:
                    **({"row": row} if batch > 1 else {}))
 
 
-def output_projection(o, positions, weights: AttentionWeights, spec: StepSpec):
-    """Stage 6: o [B, S, H, D] -> de-rotated -> groups [B, S, G, H*D/G] -> wo_a -> wo_b [B, S, hidden]."""
+def output_rotation(positions, spec: StepSpec) -> OutputRotation:
+    """Stage 6's inverse RoPE at each query's position, which `sparse_attention` applies."""
+    return OutputRotation(positions, _freqs(spec.cfg, spec.rope_kind), attention_factor(spec.cfg, spec.rope_kind))
+
+
+def output_projection(o, weights: AttentionWeights, spec: StepSpec):
+    """Stage 6: o [B, S, H, D] (de-rotated: `output_rotation`) -> groups [B, S, G, H*D/G] -> wo_a
+    -> wo_b [B, S, hidden]."""
     cfg, dtype = spec.cfg, spec.dtype
-    o = apply_rope(o, positions[..., None], _freqs(cfg, spec.rope_kind), inverse=True,
-                   scale=attention_factor(cfg, spec.rope_kind), in_place=True)
     grouped = o.reshape(*o.shape[:2], cfg.o_groups, -1)
     z = einsum("bsgi,gir->bsgr", grouped, weights.o_a_proj, out_dtype=dtype, precision=spec.precision)
     z = z.reshape(*z.shape[:2], -1)

@@ -52,3 +52,43 @@ def test_inverse_undoes_and_scores_depend_on_distance_only():
     np.testing.assert_allclose(back, q, rtol=1e-5, atol=1e-6)
     dots = [apply_rope(q, np.array(t), freqs) @ apply_rope(k, np.array(t - 5), freqs) for t in (5, 50, 500)]
     np.testing.assert_allclose(dots, dots[0], rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate_in_place_differentiates_as_apply_rope(dtype, inverse):
+    """`rotate_in_place`'s custom gradient (the cotangent rotated back in place) gives
+    `apply_rope`'s values and XLA's gradient of it, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4_jax.rope import rotate_in_place
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 5, 3, 16)), dtype)
+    g = jnp.asarray(rng.normal(size=x.shape), dtype)
+    positions = jnp.asarray(rng.integers(-1, 5000, (2, 5, 1)), jnp.int32)
+    freqs = np.asarray([0.7, 0.11, 0.013], np.float32)
+
+    def plain(x):
+        return apply_rope(x, positions, freqs, inverse=inverse, scale=1.25, in_place=True)
+
+    def custom(x):
+        return rotate_in_place(x, positions, freqs, inverse=inverse, scale=1.25)
+
+    (y_plain, vjp_plain), (y_custom, vjp_custom) = jax.vjp(plain, x), jax.vjp(custom, x)
+    np.testing.assert_array_equal(np.asarray(y_custom, np.float32), np.asarray(y_plain, np.float32))
+    np.testing.assert_array_equal(np.asarray(vjp_custom(g)[0], np.float32), np.asarray(vjp_plain(g)[0], np.float32))
+
+
+def test_rotate_in_place_keeps_numpy_on_the_host():
+    """The wide break runs the stages on NumPy arrays: `rotate_in_place` stays NumPy there."""
+    from dsv4_jax.rope import rotate_in_place
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(1, 3, 2, 8)).astype(np.float32)
+    positions = np.arange(3, dtype=np.int32)[None, :, None]
+    freqs = np.asarray([0.5, 0.25], np.float32)
+    got = rotate_in_place(x, positions, freqs, scale=1.5)
+    assert type(got) is np.ndarray
+    np.testing.assert_array_equal(got, apply_rope(x, positions, freqs, scale=1.5))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_sparse_attention_kernel import ON_GPU, XLA, query_inputs
 
-from dsv4_jax import KernelPlan
+from dsv4_jax import KernelPlan, rope
 from dsv4_jax import sparse_attention as sa
 from dsv4_jax import sparse_attention_backward as sab
 from dsv4_jax import sparse_attention_kernel as sak
@@ -78,6 +78,33 @@ def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, pool, sinks, kwargs["entries"])
 
     assert_close(grads("auto"), grads("xla"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_the_output_rotation_differentiates_as_rotating_afterwards(kind):
+    """`sparse_attention(..., rotation=)`: the kernel path de-rotates its output in place and its
+    backward kernel takes the de-rotated output, the cotangent rotated back and the rotated
+    channels' share of delta; outputs and gradients equal the XLA path's followed by the same
+    inverse RoPE (float32; scale != 1 and padded slots at position -1 included)."""
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=4, d=16, w=8, t=20, k=6, dtype=jnp.float32, s=7)
+    positions = jnp.asarray(np.random.default_rng(5).integers(-1, 40, q.shape[:2]), jnp.int32)
+    freqs = np.asarray([0.9, 0.3, 0.05], np.float32)  # the trailing 6 of 16 channels rotate
+    rotation = sa.OutputRotation(positions, freqs, 1.25)
+    entries = kwargs.pop("entries", None)
+    plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1))
+
+    def loss(plan, rotated):
+        def f(q, pool, sinks, entries):
+            o = sa.sparse_attention(q, pool, widx, sinks, **kwargs, entries=entries, kernels=plan,
+                                    precision=jax.lax.Precision.HIGHEST, rotation=rotation if rotated else None).o
+            if not rotated:
+                o = rope.apply_rope(o, positions[..., None], freqs, inverse=True, scale=1.25)
+            return jnp.sum(jnp.sin(o)), o
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, pool, sinks, entries)
+
+    (got, o_got), (want, o_want) = loss(plan, True), loss(XLA, False)
+    np.testing.assert_allclose(np.asarray(o_got), np.asarray(o_want), rtol=1e-6, atol=1e-6)
+    assert_close(got, want, rtol=1e-5)
 
 
 def test_the_key_gradients_add_with_relaxed_atomics_in_the_triton_program():
