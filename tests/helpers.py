@@ -4,6 +4,7 @@ the jobs run beside the session. (A layer over a schedule of calls: `dsv4_jax.di
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import shutil
 import subprocess
@@ -192,38 +193,53 @@ class Job:
     name: str = ""
     seconds: float | None = None  # the command's wall time, once it ran
     waited: float = 0.0  # how long a test waited for it (the session's critical path when > 0)
+    error: BaseException | None = None  # what stopped the job before its command ended, if anything
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def run(self) -> None:
-        """Run the command to its end (once; a second call waits for the first)."""
+        """Run the command to its end (once; a second call waits for the first). Whatever stops
+        it (the command not starting, the session stopping) still marks it done, with `error`
+        set, so that a test waiting for it fails instead of waiting forever."""
         with self._lock:
-            if self.done.is_set() or JOBS.stopping:
+            if self.done.is_set():
                 return
-            self.workdir = Path(tempfile.mkdtemp(prefix="dsv4-test-job-"))
-            args = [str(a) for a in self.command(self.workdir)]
-            start = time.monotonic()
-            with open(self.workdir / "stdout", "w") as out, open(self.workdir / "stderr", "w") as err:
-                self.proc = subprocess.Popen(args, cwd=self.cwd, env=self.env, stdout=out, stderr=err,
-                                             stdin=subprocess.DEVNULL, text=True)
-                try:
-                    self.proc.wait(timeout=self.timeout)
-                except subprocess.TimeoutExpired:
-                    self.timed_out = True
-                    self.proc.kill()
-                    self.proc.wait()
-            self.seconds = time.monotonic() - start
-            self.done.set()
+            try:
+                if JOBS.stopping:
+                    raise RuntimeError(f"job {self.name!r}: the session is stopping")
+                self.workdir = Path(tempfile.mkdtemp(prefix="dsv4-test-job-"))
+                args = [str(a) for a in self.command(self.workdir)]
+                start = time.monotonic()
+                with open(self.workdir / "stdout", "w") as out, open(self.workdir / "stderr", "w") as err:
+                    self.proc = _start(args, cwd=self.cwd, env=self.env, stdout=out, stderr=err)
+                    try:
+                        self.proc.wait(timeout=self.timeout)
+                    except subprocess.TimeoutExpired:
+                        self.timed_out = True
+                        self.proc.kill()
+                        self.proc.wait()
+                self.seconds = time.monotonic() - start
+            except BaseException as e:  # reported to the waiting test by `result`
+                self.error = e
+            finally:
+                self.done.set()
 
     def result(self) -> subprocess.CompletedProcess:
         """Wait for the job (run it here if no one has started it); its exit status and output.
-        Raises subprocess.TimeoutExpired where it ran past `timeout` (it was killed)."""
+        Raises subprocess.TimeoutExpired where it ran past `timeout` (it was killed), and
+        RuntimeError where it did not run to its end (the cause chained) or was not done within
+        twice its timeout."""
         if JOBS.started(self):
             start = time.monotonic()
-            self.done.wait()
+            finished = self.done.wait(timeout=2 * self.timeout)
             self.waited += time.monotonic() - start
+            if not finished:
+                raise RuntimeError(f"job {self.name!r}: not done after {2 * self.timeout:.0f} s")
         else:
             self.run()
+        if self.error is not None:
+            raise RuntimeError(f"job {self.name!r} did not run to its end: "
+                               f"{type(self.error).__name__}: {self.error}") from self.error
         stdout, stderr = ((self.workdir / name).read_text(errors="replace") for name in ("stdout", "stderr"))
         if self.timed_out:
             raise subprocess.TimeoutExpired(self.proc.args, self.timeout, stdout, stderr)
@@ -235,6 +251,21 @@ class Job:
             self.proc.wait()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _start(args: list, **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen` of a job, tried again where the exec fails with EFAULT: CPython starts
+    children by vfork, and an exec can fail with "Bad address" while another thread of this
+    process (JAX's compiler, a test's kernels) changes its memory map (a CI run on 2026-12-04:
+    `OSError: [Errno 14] Bad address: '.../bin/python'` in the bench job's start)."""
+    for _ in range(2):
+        try:
+            return subprocess.Popen(args, stdin=subprocess.DEVNULL, text=True, **kwargs)
+        except OSError as e:
+            if e.errno != errno.EFAULT:
+                raise
+            time.sleep(0.5)
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, text=True, **kwargs)
 
 
 class Jobs:
