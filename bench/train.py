@@ -241,25 +241,26 @@ def run(args, write=None) -> tuple[list, dict]:
     reason = peer_maxtext.available()
     peer = args.peer or ("none" if reason else "maxtext")
     env = stack_mod.environment()
+    plan = kernel_plan(args)
     # bench/run.py's environment adds the commit, a dirty flag, the package's source hash, nvidia-smi
     meta = {**run_mod.environment("gpu" if gpu else "cpu"), **env, "command": " ".join(sys.argv),
             "size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers,
             "stacks": args.stacks, "remat": args.remat, "break_mode": args.break_mode,
-            "kernels": dataclasses.asdict(kernel_plan(args)),
+            "kernels": dataclasses.asdict(plan),
             "peer": peer, "maxtext": peer_maxtext.versions() if not reason else {"unavailable": reason},
             "repeats": args.repeats, "seed": args.seed}
     records: list[dict] = []
     peer_cache: dict = {}
     for kind in args.stacks.split(","):
-        stack = TrainStack(cfg, kind, args.layers, dtype, args.seed, args.break_mode, kernel_plan(args))
+        stack = TrainStack(cfg, kind, args.layers, dtype, args.seed, args.break_mode, plan)
         for length in (int(v) for v in args.lengths.split(",")):
             for batch in (int(v) for v in args.batches.split(",")):
                 rec = {"scenario": "train_step", "size": args.size, "stack": kind, "layer_type": stack.layer_type,
                        "n_layers": len(stack.layers), "layer_indices": stack.indices, "batch": batch,
                        "prompt_len": length, "dtype": dtype.name, "remat": args.remat,
                        "break_mode": args.break_mode, "kernels": args.kernels,
-                       "attention_backward": kernel_plan(args).attention_backward,
-                       "query_norm": kernel_plan(args).query_norm, "repeats": args.repeats,
+                       "attention_backward": plan.attention_backward, "query_norm": plan.query_norm,
+                       "repeats": args.repeats,
                        **floors(stack, batch, length), "error": None}
                 try:
                     time_train(rec, stack, batch, length, args.repeats, args.seed, args.remat)
