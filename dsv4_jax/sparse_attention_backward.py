@@ -7,7 +7,8 @@ query block, onto the few keys many queries share, which XLA:GPU runs as contend
 by index again, as the forward kernel does, and adds its gradient into a float32 accumulator
 by atomic adds:
 
-    grid (R, H / bh); program (r, g) owns heads g*bh .. g*bh+bh-1 of query row r
+    grid (R, H / bh); program (i, g) owns heads g*bh .. g*bh+bh-1 of query row r = row_of(i)
+                          (launched in a spread order: `ROW_STRETCHES`)
     q, do  [bh, D]        the queries and the output's cotangent
     lse    [bh]           the forward's log-normaliser (keys and sink)
     delta  [bh]           sum(do * o) over D, from the output's tile (written out for the sink)
@@ -48,19 +49,43 @@ from . import relaxed_atomics
 from .backend import Array
 from .sparse_attention_kernel import _pad_indices, entry_indices
 
-# bh x D float32 for dq plus bh x D for q and do, per program: 32 x 512 keeps them in registers
-# at V4-Flash's head_dim (64 heads a program would spill). Triton's dots need dimensions >= 16.
-BLOCK_KEYS = 32
+# bh x D float32 for dq plus bh x D for q and do, per program. 64 heads, or 64 keys, a program
+# exceed the H200's shared memory at V4-Flash's head_dim; 16 keys in 4 warps measured faster
+# than 32 in 8 (bf16, 4k prefill, one process: HCA 3.06 -> 2.55 ms, CSA 7.14 -> 6.64, HCA B = 4
+# 9.78 -> 8.58; bench/results/h200_backward_blocks_probe_2026-12-04_s47.json). Triton's dots need
+# dimensions >= 16.
+BLOCK_KEYS = 16
 BLOCK_HEADS = 32
-NUM_WARPS = 8
+NUM_WARPS = 4
 # Software pipelining of the key loop, by the compute dtype's bytes: bf16 3 stages (H200, CSA /
 # HCA 4k prefill: 8.10 -> 7.41 / 3.27 -> 3.13 ms, bench/results/h200_backward_ab_2026-12-02_s35_3.json);
 # float32 1 (its tiles take twice the shared memory; the float32 gate runs it as measured before).
 NUM_STAGES = {2: 3, 4: 1}
+# Programs run in launch order, about one an SM at a time: in row order, the ~130 programs in
+# flight are neighbouring queries whose windows (and often picks) share most keys, so their
+# atomic adds queue on the same addresses. Launch i runs row (i % G) * (R / G) + i // G: the
+# programs in flight are spread over G stretches of the rows (G the largest power of two up to
+# ROW_STRETCHES dividing R; 1 keeps row order).
+ROW_STRETCHES = 16
+
+
+def row_stretches(rows: int, most: int = ROW_STRETCHES) -> int:
+    """G: the largest power of two <= `most` that divides `rows` (1 for odd `rows`)."""
+    g = 1
+    while g * 2 <= most and rows % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+def _row_of(i, rows: int, stretches: int):
+    """The query row that launch `i` runs (a bijection of [0, rows))."""
+    if stretches == 1:
+        return i
+    return (i % stretches) * (rows // stretches) + i // stretches
 
 
 def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
-                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int):
+                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int, rows: int, stretches: int):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref, eblocks_ref = (refs.pop(0), refs.pop(0)) if n_entries else (None, None)
@@ -73,7 +98,7 @@ def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_wi
     dents_ref = refs[2] if n_entries else None
     delta_ref = refs[-1]
 
-    r = pl.program_id(0)
+    r = _row_of(pl.program_id(0), rows, stretches)
     src = r // rows_per_source
     q, do = q_ref[...], do_ref[...]  # [bh, D]
     lse = lse_ref[...]  # [bh] float32
@@ -128,7 +153,8 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
                               visible: Array | None = None, interpret: bool = False,
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                               num_warps: int = NUM_WARPS, num_stages: int | None = None, relaxed: bool = True,
-                              rotated: int = 0, delta_rotated: Array | None = None):
+                              rotated: int = 0, delta_rotated: Array | None = None,
+                              row_stretches_most: int = ROW_STRETCHES):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -141,7 +167,8 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     float32 the sum of do' * o' over those channels (`sparse_attention`'s output rotation).
     `relaxed`: the key gradients' atomic adds in relaxed memory order (`relaxed_atomics`; False:
     Pallas' acquire-release `atomic_add`, twice the time on the H200). `num_stages`: None, by
-    q's dtype (`NUM_STAGES`).
+    q's dtype (`NUM_STAGES`). `row_stretches_most`: the launch order's spread (`ROW_STRETCHES`;
+    1 launches the rows in order).
     """
     b, s, h, d = q.shape
     rows = b * s
@@ -168,13 +195,14 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     dpool0 = jnp.zeros((pool.shape[0], pool.shape[1] + 1, d), jnp.float32)
     dents0 = None if eidx is None else jnp.zeros((entries.shape[0], entries.shape[1] + 1, d), jnp.float32)
 
+    stretches = row_stretches(rows, row_stretches_most)
     kernel = functools.partial(_bwd_kernel, scale=d ** -0.5, block_keys=block_keys, rows_per_source=s,
                                n_window=widx.shape[1] // block_keys, n_entries=n_entries, dtype=dtype,
                                trash_pool=pool.shape[1], trash_entries=0 if eidx is None else entries.shape[1],
-                               relaxed=relaxed, rotated=rotated)
+                               relaxed=relaxed, rotated=rotated, rows=rows, stretches=stretches)
     whole = pl.no_block_spec
-    per_head = pl.BlockSpec((None, bh, d), lambda i, g: (i, g, 0))
-    per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (i, g))
+    per_head = pl.BlockSpec((None, bh, d), lambda i, g: (_row_of(i, rows, stretches), g, 0))
+    per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (_row_of(i, rows, stretches), g))
     sources = [pool] + ([entries] if eidx is not None else [])
     accumulators = [dpool0] + ([dents0] if eidx is not None else [])
     args = [*index_args, q_rows, do_rows, o_rows, *stats, *sources, *accumulators]

@@ -61,6 +61,27 @@ def test_backward_kernel_equals_the_xla_vjp_in_float32(kind, s, blocks):
     assert_close(got, jax.jit(xla_vjp)(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows, most, stretches", [(4096, 64, 64), (48, 64, 16), (6, 64, 2), (15, 64, 1),
+                                                   (4096, 1, 1)])
+def test_the_launch_order_is_a_permutation_of_the_rows(rows, most, stretches):
+    assert sab.row_stretches(rows, most) == stretches
+    order = np.asarray(sab._row_of(jnp.arange(rows), rows, stretches))
+    np.testing.assert_array_equal(np.sort(order), np.arange(rows))
+    if stretches > 1:  # launches next to each other run rows rows / G apart
+        assert order[1] - order[0] == rows // stretches
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_backward_kernel_in_spread_launch_order_equals_the_xla_vjp(kind):
+    # 2 x 8 = 16 rows in 8 stretches of 2: each program's row, its blocks of q, do, o, lse and its
+    # dq and delta follow the launch order.
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32, s=8)
+    do = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
+    blocks = dict(block_keys=4, block_heads=2, row_stretches_most=8)
+    got = jax.jit(functools.partial(kernel_vjp, interpret=True, **blocks))(q, pool, widx, sinks, kwargs, do)
+    assert_close(got, jax.jit(xla_vjp)(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
+
+
 def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
     """`KernelPlan.attention_backward`: "auto" (the backward kernel) and "xla" (the reference's
     VJP) give the same gradients of `sparse_attention` with the forward kernel."""
