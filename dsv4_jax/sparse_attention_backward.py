@@ -7,7 +7,7 @@ query block, onto the few keys many queries share, which XLA:GPU runs as contend
 by index again, as the forward kernel does, and adds its gradient into a float32 accumulator
 by atomic adds:
 
-    grid (R, H / bh); program (i, g) owns heads g*bh .. g*bh+bh-1 of query row r = row_of(i)
+    grid (R, H / bh); program (i, g) owns heads g*bh .. g*bh+bh-1 of query row r = _row_of(i)
                           (launched in a spread order: `ROW_STRETCHES`)
     q, do  [bh, D]        the queries and the output's cotangent
     lse    [bh]           the forward's log-normaliser (keys and sink)
