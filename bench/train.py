@@ -23,6 +23,9 @@ of the fwd+bwd program (arguments + outputs + temporaries; ``xla_temp_gb`` the t
 over a run; None on CPU). ``--remat layer`` wraps each layer's attention in ``jax.checkpoint``
 (nothing saved: the backward recomputes the layer's forward); ``remat`` is in every record.
 ``grad_norm``: the global norm of all gradients (weights and x), ``grads_finite`` whether all are.
+``gpu_clocks_fwd`` / ``gpu_clocks_fwd_bwd``: the card's SM clock, power, temperature and
+clock-event reasons (a power cap, heat) sampled while each timed loop ran (bench/gpu_clocks.py;
+None without nvidia-smi).
 
 ``--peer maxtext`` (the default where maxtext imports): MaxText's `CompressedAttention` in its
 training mode (bench/peer_maxtext.py, `time_train`: our weights, no remat), one layer of the
@@ -54,7 +57,7 @@ from flax import nnx  # noqa: E402
 
 import dsv4_jax  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
-from bench import peer_maxtext, report  # noqa: E402
+from bench import gpu_clocks, peer_maxtext, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import run as run_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
@@ -153,15 +156,17 @@ def time_train(rec: dict, stack: TrainStack, batch: int, length: int, repeats: i
             stack_mod._positions(batch, 0, length))
     static = {"specs": stack.specs, "remat": remat}
     fwd, rec["fwd_compile_s"], mem = compiled(FWD, args, **static)
-    ms, loss = median_ms(fwd, args, repeats)
-    rec.update(fwd_ms=ms / n, loss=float(loss), fwd_xla_total_gb=gb(mem.get("total")))
+    with gpu_clocks.ClockSampler() as clocks:
+        ms, loss = median_ms(fwd, args, repeats)
+    rec.update(fwd_ms=ms / n, loss=float(loss), fwd_xla_total_gb=gb(mem.get("total")), gpu_clocks_fwd=clocks.summary)
     del fwd
     bwd, rec["compile_s"], mem = compiled(FWD_BWD, args, **static)
     # The cell's own peak: the device's peak_bytes_in_use cannot be reset, so it is the run's so far.
     rec.update(xla_temp_gb=gb(mem.get("temp")), xla_total_gb=gb(mem.get("total")), peak_gb=gb(mem.get("total")))
-    ms, (loss, grads) = median_ms(bwd, args, repeats)
+    with gpu_clocks.ClockSampler() as clocks:
+        ms, (loss, grads) = median_ms(bwd, args, repeats)
     rec.update(fwd_bwd_ms=ms / n, ratio_bwd_to_fwd=ms / n / rec["fwd_ms"], device_peak_gb=gb(device_peak_bytes()),
-               **grad_summary(grads))
+               gpu_clocks_fwd_bwd=clocks.summary, **grad_summary(grads))
 
 
 def profile_train(stack: TrainStack, batch: int, length: int, steps: int, seed: int, remat: str, log_dir: str) -> list:
@@ -304,6 +309,11 @@ def _line(r: dict) -> str:
                  f"floor {r['floor_ms']:.4g}), compile {_fmt(r.get('compile_s'), '.1f')} s")
     elif r.get("fwd_ms") is not None:
         head += f"fwd {r['fwd_ms']:.3f} ms/layer"
+    clocks = r.get("gpu_clocks_fwd_bwd") or {}
+    if clocks.get("sm_mhz"):
+        sm, power = clocks["sm_mhz"], clocks["power_w"]
+        head += (f"; SM {sm['min']:.0f}-{sm['max']:.0f} MHz, {power['max']:.0f} W"
+                 + "".join(f", {name}" for name in clocks["event_reason_names"] if name != "gpu_idle"))
     return (head + (f"; ERROR {r['error']}" if r.get("error") else "")
             + (f"; MaxText fwd+bwd {r['maxtext_fwd_bwd_ms']:.3f}" if r.get("maxtext_fwd_bwd_ms") else "")
             + (f"; MaxText: {r['maxtext_error']}" if r.get("maxtext_error") else ""))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,6 +57,10 @@ def test_train_run_writes_records(tmp_path, capsys):
     assert np.isfinite(rec["loss"]) and rec["loss"] > 0
     assert rec["grads_finite"] and np.isfinite(rec["grad_norm"]) and rec["grad_norm"] > rec["grad_norm_x"] > 0
     assert rec["peak_gb"] == rec["xla_total_gb"] and rec["xla_total_gb"] >= rec["xla_temp_gb"] > 0
+    if shutil.which("nvidia-smi") is None:  # the card's clocks are sampled where nvidia-smi runs
+        assert rec["gpu_clocks_fwd"] is None and rec["gpu_clocks_fwd_bwd"] is None
+    else:
+        assert "samples" in rec["gpu_clocks_fwd"] and "samples" in rec["gpu_clocks_fwd_bwd"]
     assert data["meta"]["remat"] == "none" and data["meta"]["peer"] == "none" and data["meta"]["git_commit"]
     capsys.readouterr()
     assert train.main(["--render", str(out)]) == 0
