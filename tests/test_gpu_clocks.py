@@ -71,3 +71,15 @@ def test_without_nvidia_smi_there_is_no_summary():
     with gpu_clocks.ClockSampler(executable="no-such-nvidia-smi") as clocks:
         pass
     assert clocks.summary is None
+
+
+def test_a_sampler_that_cannot_start_says_why(tmp_path, monkeypatch):
+    exe = fake_smi(tmp_path, ["1980, 400, 40, 0x0"])
+
+    def refuse(*args, **kwargs):  # as a vfork exec racing another thread's memory map did in CI
+        raise OSError(14, "Bad address")
+
+    monkeypatch.setattr(gpu_clocks.subprocess, "Popen", refuse)
+    with gpu_clocks.ClockSampler(executable=exe) as clocks:
+        pass  # the timed loop runs all the same
+    assert clocks.summary == {"samples": 0, "error": "OSError: [Errno 14] Bad address"}
