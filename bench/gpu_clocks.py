@@ -1,9 +1,10 @@
 """The GPU's clocks, power and clock-event reasons while a timed loop runs (NVIDIA, nvidia-smi).
 
-Two processes of one tree on one H200 have timed the same training step 8.56 and 9.72 ms a
+Two processes of one tree on one H200 have timed the same training step 8.77 and 9.72 ms a
 layer (bench/RESULTS.md, "Training"): whether the card ran slower (a power cap, heat) or the
 programs differed is a question the records could not answer. `ClockSampler` runs
-``nvidia-smi --query-gpu=... -lms <interval>`` beside the loop and summarises what it saw:
+``nvidia-smi --query-gpu=... --loop-ms=<interval>`` beside the loop, starts the loop after its
+first sample, and summarises the samples taken while the loop ran:
 
     with ClockSampler() as clocks:
         ...  # the timed calls
@@ -13,7 +14,7 @@ programs differed is a question the records could not answer. `ClockSampler` run
 ``temperature_c_max``; ``event_reasons`` (the union of the active clock-event reasons' bits, as
 nvidia-smi prints them, e.g. "0x0000000000000004" = the software power cap; "0x0" none) and
 ``event_reason_names`` (the bits named, after NVML's ``nvmlClocksEventReasons``); or ``error``
-when nvidia-smi would not sample.
+when there is none (nvidia-smi would not sample, or the loop was shorter than its interval).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import threading
+import time
 
 FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
@@ -71,12 +73,14 @@ def summarise(samples: list[dict]) -> dict:
 class ClockSampler:
     """Samples the first GPU every `interval_ms` while the ``with`` block runs (see the module)."""
 
-    def __init__(self, interval_ms: int = 20, executable: str = "nvidia-smi"):
+    def __init__(self, interval_ms: int = 20, executable: str = "nvidia-smi", start_timeout_s: float = 3.0):
         self.interval_ms = interval_ms
+        self.start_timeout_s = start_timeout_s
         self.executable = shutil.which(executable)
         self.summary: dict | None = None
         self._proc = None
         self._lines: list[str] = []
+        self._first = 0
         self._reader = None
 
     def __enter__(self):
@@ -92,6 +96,12 @@ class ClockSampler:
             return self
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        # nvidia-smi takes ~0.1 s to its first sample, longer than a short timed loop: start the
+        # block after it, and keep only the samples taken while the block ran.
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._lines and self._proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._first = len(self._lines)
         return self
 
     def _read(self):
@@ -108,8 +118,10 @@ class ClockSampler:
             self._proc.kill()
             self._proc.wait()
         self._reader.join(timeout=5)
-        samples = [s for s in map(parse_line, self._lines) if s is not None]
+        samples = [s for s in map(parse_line, self._lines[self._first:]) if s is not None]
         self.summary = summarise(samples)
         if not samples:
-            self.summary["error"] = "".join(self._lines).strip()[:200] or "nvidia-smi printed nothing"
+            said = "".join(self._lines).strip()[:200]
+            self.summary["error"] = (f"no sample while the block ran; nvidia-smi printed: {said}" if said
+                                     else "nvidia-smi printed nothing")
         return False

@@ -15,14 +15,22 @@ if str(ROOT) not in sys.path:
 from bench import gpu_clocks  # noqa: E402
 
 
-def fake_smi(tmp_path: Path, lines: list[str]) -> str:
-    """An executable that prints `lines` (as ``nvidia-smi --loop-ms`` would, one sample a line),
-    then waits to be stopped."""
+def fake_smi(tmp_path: Path, first: list[str], later: list[str] = ()) -> str:
+    """An executable that prints `first` at once and `later` 0.3 s on (as ``nvidia-smi
+    --loop-ms`` would, one sample a line), then waits to be stopped."""
     path = tmp_path / "fake-smi"
-    body = "".join(f"echo '{line}'\n" for line in lines)
-    path.write_text(f"#!/bin/sh\n{body}exec sleep 30\n")
+    echo = lambda lines: "".join(f"echo '{line}'\n" for line in lines)  # noqa: E731
+    path.write_text(f"#!/bin/sh\n{echo(first)}sleep 0.3\n{echo(later)}exec sleep 30\n")
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)
+
+
+def wait_for(clocks, n: int):
+    """The timed loop's stand-in: runs until the sampler has read `n` lines in all (5 s at most)."""
+    for _ in range(500):
+        if len(clocks._lines) >= n:
+            return
+        time.sleep(0.01)
 
 
 def test_a_line_is_a_sample_or_nothing():
@@ -45,24 +53,20 @@ def test_the_summary_gives_ranges_and_names_the_reasons():
     assert gpu_clocks.summarise([]) == {"samples": 0}
 
 
-def test_the_sampler_reads_what_nvidia_smi_prints_while_the_block_runs(tmp_path):
-    exe = fake_smi(tmp_path, ["1980, 400, 40, 0x0", "1755, 700, 52, 0x4"])
+def test_the_sampler_keeps_what_nvidia_smi_sampled_while_the_block_ran(tmp_path):
+    # The first sample comes before the block starts (the sampler waits for it) and is left out.
+    exe = fake_smi(tmp_path, ["1980, 90, 30, 0x1"], ["1980, 400, 40, 0x0", "1755, 700, 52, 0x4"])
     with gpu_clocks.ClockSampler(executable=exe) as clocks:
-        for _ in range(200):  # until the two samples are in (the block is the timed loop)
-            if len(clocks._lines) == 2:
-                break
-            time.sleep(0.01)
+        assert len(clocks._lines) == 1
+        wait_for(clocks, 3)
     assert clocks.summary["samples"] == 2 and clocks.summary["event_reason_names"] == ["sw_power_cap"]
-    assert clocks.summary["sm_mhz"]["min"] == 1755.0
+    assert clocks.summary["sm_mhz"]["min"] == 1755.0 and clocks.summary["power_w"]["min"] == 400.0
 
 
 def test_a_sampler_that_gets_no_sample_says_what_nvidia_smi_said(tmp_path):
     exe = fake_smi(tmp_path, ['Field "clocks_event_reasons.active" is not a valid field to query.'])
     with gpu_clocks.ClockSampler(executable=exe) as clocks:
-        for _ in range(200):
-            if clocks._lines:
-                break
-            time.sleep(0.01)
+        wait_for(clocks, 1)
     assert clocks.summary["samples"] == 0
     assert "not a valid field" in clocks.summary["error"]
 
