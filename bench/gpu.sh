@@ -26,6 +26,9 @@
 #             process per variant on one machine: ORDER (default "new old new"), AB_DIR (the files of
 #             "old" at their paths, default build/ab_old; any other tag T: build/ab_T), STACKS,
 #             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T)
+#   finite    the finite check's verdict by the step's flag (dsv4_jax.finite_flag): its tests with the
+#             CUDA handler, then the module call with each finite-check way against the jitted step
+#             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
 #   trainab   the same for the training step: bench/train.py --size flash $TRAIN_ARGS $ARGS_T per variant,
 #             ORDER and the swapped files as in ab -> $OUT/train_ab_<i>_<tag>.json
 #
@@ -187,6 +190,15 @@ trainab() {
     echo "$i $tag rc=$?"; grep -v "^ *$" "$OUT/train_ab_${i}_$tag.log" | tail -8
   done
   ab_use new
+}
+
+finite() {
+  timeout "${FINITE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_finite_flag.py \
+    tests/test_call_path.py -k "finite" >"$OUT/gpu_finite.log" 2>&1
+  echo "finite flag tests rc=$?"
+  grep -E "passed|failed|FAILED|Error|Warning" "$OUT/gpu_finite.log" | tail -12
+  timeout "${OVERHEAD_TIMEOUT:-240}" python3 bench/stack.py --call-overhead-only --call-overhead-size flash \
+    --steps "${OVERHEAD_STEPS:-200}" --repeats 5 --json "$OUT/call_overhead.json" 2>&1 | tail -5
 }
 
 for cmd in "$@"; do

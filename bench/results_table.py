@@ -48,7 +48,8 @@ def stack(records: list[dict]) -> Iterator[Row]:
             yield (f"module call, {r['size']} {r['layer_type']} decode, B = {r['batch']}",
                    f"jitted step {r['jit_step_ms']:.3f} ms; the call: check_finite=True "
                    f"{r['module_call_ms']:.3f}, \"host\" {r['module_call_host_check_ms']:.3f}, False "
-                   f"{r['module_call_no_check_ms']:.3f} ms",
+                   f"{r['module_call_no_check_ms']:.3f} ms"
+                   + (f", the step's flag {r['module_call_flag_ms']:.3f}" if r.get("flag_words") else ""),
                    "the default check reads a device verdict (a sync)")
 
 

@@ -77,6 +77,7 @@ import numpy as np  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
+from dsv4_jax import finite_flag, validation  # noqa: E402
 from dsv4_jax import numerics as numerics_mod  # noqa: E402
 from dsv4_jax import overlap as overlap_mod  # noqa: E402
 from dsv4_jax import step as step_mod  # noqa: E402
@@ -518,7 +519,11 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     same positions, so that the check's share shows; ``max_abs_diff``: the largest difference of
     the last step's outputs from the jitted step's. The layers keep the module's default,
     ``donate_cache=False`` (the jitted step then does not donate either): a donating layer
-    checks device inputs before dispatch (`validation.finite_deferred`), a separate round trip."""
+    checks device inputs before dispatch (`validation.finite_deferred`), a separate round trip.
+    A fourth layer checks with the verdict written by the step itself (``finite_flag.VERDICT =
+    "flag"``, `dsv4_jax.finite_flag`): ``module_call_flag_ms``, ``flag_words`` the words it read
+    (0 where the input is checked on the host, as on a CPU, or the native extension is missing);
+    ``finite_verdict_auto``: what the default (``module_call_ms``) uses for device inputs."""
     cfg = plan_mod.config_for(size)
     layer_idx = plan_mod.layer_index(cfg, "csa")
     batch, context = 1, 64
@@ -526,11 +531,18 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     xs = _hidden(cfg, batch, 1, jnp.dtype(dtype), seed + 1)
     max_seq_len = _round_up(context + repeats * steps + 8)
     layers, caches, times = {}, {}, {}
-    for mode in (True, "host", False):
+    verdict = finite_flag.VERDICT
+    for mode in (True, "host", False, "flag"):
         attn = layers[mode] = measure.build_layer(cfg, layer_idx, dtype, seed)
-        attn.break_mode, attn.check_finite, attn.donate_cache, times[mode] = "none", mode, False, []
-        _, caches[mode] = attn(x, np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
-                               attn.init_cache(batch, max_seq_len))
+        attn.break_mode, attn.donate_cache, times[mode] = "none", False, []
+        attn.check_finite = True if mode == "flag" else mode
+        finite_flag.VERDICT = "flag" if mode == "flag" else verdict
+        try:
+            _, caches[mode] = attn(x, np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
+                                   attn.init_cache(batch, max_seq_len))
+        finally:
+            finite_flag.VERDICT = verdict
+    flag_words = 0
     attn = layers[True]
     spec = attn.step_spec()
     step = step_mod.step_for(spec, attn.donate_cache)
@@ -540,10 +552,16 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     for i in range(repeats * steps):
         p = np.full((batch, 1), context + i, np.int32)
         for mode, layer in layers.items():
-            t0 = time.perf_counter()
-            outs[mode], caches[mode] = layer(xs, p, caches[mode])
-            jax.block_until_ready(outs[mode])
-            times[mode].append(time.perf_counter() - t0)
+            finite_flag.VERDICT = "flag" if mode == "flag" else verdict
+            try:
+                t0 = time.perf_counter()
+                outs[mode], caches[mode] = layer(xs, p, caches[mode])
+                jax.block_until_ready(outs[mode])
+                times[mode].append(time.perf_counter() - t0)
+                if mode == "flag":
+                    flag_words += not validation._host_resident(xs) and finite_flag.slot_for(xs) is not None
+            finally:
+                finite_flag.VERDICT = verdict
         t0 = time.perf_counter()
         out, raw_cache, _ = step(weights, raw_cache, xs, p, spec=spec)
         jax.block_until_ready(out)
@@ -554,6 +572,8 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
             "module_call_ms": module_ms, "jit_step_ms": raw_ms, "overhead_ms": module_ms - raw_ms,
             "module_call_host_check_ms": 1e3 * float(np.median(times["host"])),
             "module_call_no_check_ms": 1e3 * float(np.median(times[False])),
+            "module_call_flag_ms": 1e3 * float(np.median(times["flag"])), "flag_words": int(flag_words),
+            "finite_verdict_auto": finite_flag.AUTO,
             "ratio": module_ms / raw_ms, "samples": len(raw_t), "max_abs_diff": diff, "donate_cache": False}
 
 
@@ -730,7 +750,10 @@ def markdown(records: list, meta: dict) -> str:
                        f"overhead {r['overhead_ms']:.3f} ms ({r['samples']} calls each)"
                        + ("" if "module_call_host_check_ms" not in r else
                           f"; check_finite='host' {r['module_call_host_check_ms']:.3f} ms, "
-                          f"False {r['module_call_no_check_ms']:.3f} ms"))
+                          f"False {r['module_call_no_check_ms']:.3f} ms")
+                       + ("" if "module_call_flag_ms" not in r else
+                          f"; the verdict by the step's flag {r['module_call_flag_ms']:.3f} ms "
+                          f"({r['flag_words']} words read)"))
     if meta.get("profiles"):
         from bench import kernel_profile
 

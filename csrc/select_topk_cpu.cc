@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "finite_flag.h"
 #include "python_module.h"
 #include "select_topk.h"
 
@@ -227,6 +228,7 @@ PyObject* Registrations(PyObject*, PyObject*) {
       {"dsv4_select_topk_fp4_graph", reinterpret_cast<void*>(&Dsv4SelectTopkFp4Cpu)},
       {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCpu)},
       {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCpu)},
+      {"dsv4_finite_flag", reinterpret_cast<void*>(&Dsv4FiniteFlag)},  // finite_flag_cpu.cc
   };
   return dsv4::CapsuleDict(targets);
 }
@@ -240,6 +242,8 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
 PyMethodDef kMethods[] = {
     {"registrations", Registrations, METH_NOARGS, "FFI target name -> handler capsule."},
     {"build_info", BuildInfo, METH_NOARGS, "How this module was built."},
+    {"finite_flag_slots", Dsv4FiniteFlagSlots, METH_NOARGS,
+     "(address, count) of the finite flag's host slots (finite_flag.h)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

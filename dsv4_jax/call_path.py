@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import breaks, sharding, validation
+from . import breaks, finite_flag, sharding, validation
 from .backend import to_host_memory
 from .cache import AttentionCache, advance_length
 from .step import step_for, step_function
@@ -238,9 +238,10 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
 
     `run`: (spec, step); `before`/`after`: the lengths the checks read and the lengths after
     the call (lists); `device_length`: what the step gets for the length (the device twin of
-    the mirror where there is one, else the mirror); `finite_deferred`: run `finite_guard`
-    first and the step (the non-donating one) on its output, then raise the finite check's
-    error, the results dropped, if its verdict says so."""
+    the mirror where there is one, else the mirror); `finite_deferred`: the finite check read
+    after dispatch (the step is the non-donating one): the step flagged (`finite_flag`) where
+    that is the verdict's way, else `finite_guard` first and the step on its output; then the
+    finite check's error, the results dropped, if the verdict says so."""
     spec, step = run
     # The layer index is checked and is no part of the computation: leave it out of the
     # compiled step's identity, so that layers of one type share one program.
@@ -255,10 +256,15 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
         if memo is not None:
             memo.weights = None if probe is None else (probe, weights)
     try:
-        step_input = hidden_states
-        if finite_deferred:
-            finite, step_input = _FINITE_GUARD(hidden_states)
-        out, new_cache, intermediates = step(weights, anonymous, step_input, positions, spec=spec)
+        slot = finite_flag.slot_for(hidden_states) if finite_deferred else None
+        if slot is not None:  # the step writes the verdict where the host polls it
+            out, new_cache, intermediates, finite = finite_flag.run_flagged(
+                slot, step, weights, anonymous, hidden_states, positions, finite_flag.flagged_spec(spec))
+        else:
+            step_input = hidden_states
+            if finite_deferred:
+                finite, step_input = _FINITE_GUARD(hidden_states)
+            out, new_cache, intermediates = step(weights, anonymous, step_input, positions, spec=spec)
     except Exception:
         with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
             raise

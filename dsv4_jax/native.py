@@ -15,6 +15,9 @@ target                      what it does
 ``dsv4_select_topk_fp4``    scoring + top-k over an FP8 cache's packed FP4 indexer keys
 ``[_graph]``                (codes and scale bytes, dequantized where the kernels load them)
 ``dsv4_topk[_graph]``       the top-k alone, on float32 scores (property tests, benchmarks)
+``dsv4_finite_flag``        a step's finite verdict written into host memory the extension
+                            owns, where the eager call polls it (`dsv4_jax.finite_flag`;
+                            command-buffer compatible on CUDA)
 ==========================  ===============================================================
 
 On the CPU there are no command buffers; both names run the same C++ handler.
@@ -26,6 +29,7 @@ was missing, the module is absent and `available` says so; `native_info` tells t
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import math
@@ -33,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # jax platform name -> (extension module, the name `register_ffi_target` takes).
 _EXTENSIONS = {"cpu": ("dsv4_jax._native_cpu", "cpu"), "cuda": ("dsv4_jax._native_cuda", "CUDA")}
@@ -222,5 +227,27 @@ def topk(scores, visible, *, top_k: int, graph: bool = True, segments: int | Non
     return picks
 
 
-__all__ = ["available", "native_info", "platform_name", "select_topk", "select_topk_fp4", "topk", "topk_segments",
+def finite_flag(finite):
+    """bool scalar -> the same bool, computed after the handler wrote ``(seq << 1) | finite`` into
+    the slot of this device in `finite_flag_slots` (seq: the handler's runs on the device so far,
+    this one included). Inside a step only (`dsv4_jax.finite_flag`); the step must consume the
+    returned copy, which keeps the call in the program and orders everything after it."""
+    _register_all()
+    return jax.ffi.ffi_call("dsv4_finite_flag", jax.ShapeDtypeStruct((), jnp.bool_))(finite)
+
+
+@functools.cache
+def finite_flag_slots(platform: str) -> np.ndarray | None:
+    """The host slots `finite_flag` writes (uint64, one per device ordinal modulo their count),
+    as a NumPy view of the extension's memory (CUDA: mapped pinned host memory, allocated on
+    the first call), or None where the platform's extension is not usable here."""
+    platform = platform_name(platform)
+    if _registered(platform) is not None:
+        return None
+    address, count = _extension(platform)[0].finite_flag_slots()
+    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
+
+
+__all__ = ["available", "finite_flag", "finite_flag_slots", "native_info", "platform_name", "select_topk",
+           "select_topk_fp4", "topk", "topk_segments",
            "unavailable_reason"]

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import breaks, indexer, numerics, sharding
+from . import breaks, finite_flag, indexer, numerics, sharding
 from . import overlap as overlap_mod
 from .backend import QUERY_BLOCK, Array, einsum
 from .cache import (
@@ -184,6 +184,7 @@ class StepSpec:
     return_intermediates: bool = False
     checks: bool = False  # in-graph `checkify.check`s of positions and room (see `check_in_graph`)
     numerics: str = "reference"  # or "official": the official inference's roundings (`numerics`)
+    finite_flag: bool = False  # the eager call's finite check inside the step (`finite_flag.flagged`)
 
     # `jax.jit` hashes its static arguments on every dispatch: the dataclass hash (over the whole
     # config) is computed once per spec and kept beside the fields (equal specs hash equal: the
@@ -388,6 +389,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     """
     cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
     check_cache_numerics(cache, spec.numerics)
+    if spec.finite_flag:  # the eager call polls the verdict; a non-finite input is zeroed
+        hidden_states = finite_flag.flagged(hidden_states)
     x = hidden_states.astype(dtype)
     length = jnp.asarray(cache.length, jnp.int32)
     positions = next_positions(length, x.shape[1]) if positions is None else positions.astype(jnp.int32)

@@ -377,6 +377,7 @@ def test_native_info_says_what_was_built():
         if entry["built"]:
             assert entry["ffi_api"] == "0.3"  # the oldest supported jaxlib's headers: loads on all
             assert set(entry["targets"]) == {"dsv4_select_topk", "dsv4_select_topk_graph", "dsv4_select_topk_fp4",
-                                             "dsv4_select_topk_fp4_graph", "dsv4_topk", "dsv4_topk_graph"}
+                                             "dsv4_select_topk_fp4_graph", "dsv4_topk", "dsv4_topk_graph",
+                                             "dsv4_finite_flag"}
         else:
             assert "pip install" in entry["reason"]

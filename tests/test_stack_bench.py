@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import helpers  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from helpers import JOBS, background  # noqa: E402
 
 from bench import stack  # noqa: E402
@@ -178,3 +180,20 @@ def test_the_profile_describes_kernels_without_a_source():
     assert gemm["source"] == "jit(stack_step)/wq_b_kv_insert/dot_general" and "hlo" not in gemm
     table = kernel_profile.markdown(summary)
     assert "hlo: bf16[1,1,4] fusion(caches_0__window.1, length)" in table and "wq_b_kv_insert" in table
+
+
+def test_the_call_overhead_times_every_finite_check_way(monkeypatch):
+    """`call_overhead`: the module call with each finite-check mode and with the verdict by the
+    step's flag, against the jitted step, on equal layers and inputs (the same outputs); the
+    CPU's arrays taken for device-resident ones, so that the guard and the flag both run."""
+    from dsv4_jax import finite_flag, validation
+
+    monkeypatch.setattr(validation, "_host_resident", lambda value: False)
+    rec = stack.call_overhead("tiny", jnp.float32, steps=2, repeats=1, seed=0)
+    assert rec["scenario"] == "call_overhead" and rec["samples"] == 2 and rec["max_abs_diff"] == 0.0
+    for key in ("module_call_ms", "jit_step_ms", "module_call_host_check_ms", "module_call_no_check_ms",
+                "module_call_flag_ms"):
+        assert rec[key] > 0
+    assert rec["flag_words"] == (2 if helpers.NATIVE_BUILT else 0)
+    assert rec["finite_verdict_auto"] == finite_flag.AUTO and finite_flag.VERDICT == "auto"
+    assert "the verdict by the step's flag" in stack.markdown([rec], {})
