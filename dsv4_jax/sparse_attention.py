@@ -160,7 +160,8 @@ def sparse_attention(
         chosen = _kernel_blocks(q, entries, picks, kernels)
         if chosen is not None:
             static = None if rotation is None else (rotation.freqs, float(rotation.scale))
-            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static)
+            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static,
+                                stacked=kernels.backward_dots == "stacked")
             positions = None if rotation is None else rotation.positions
             return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible, positions))
     out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
@@ -198,7 +199,8 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
     return blocks, False
 
 
-def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None):
+def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None,
+               stacked: bool = False):
     """``f(q, pool, window_idx, sinks, entries, picks, visible, positions) -> o`` by the kernel,
     with a gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where
     the Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels
@@ -207,7 +209,8 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     `rotation`: None, or (freqs, scale) of the output's de-rotation at `positions` (an
     `OutputRotation`'s static part), applied to the kernel's output in place. The backward
     kernel then gets the de-rotated output as its residual, the cotangent rotated back, and the
-    rotated channels' share of its `delta` (do' . o', computed here from their slices)."""
+    rotated channels' share of its `delta` (do' . o', computed here from their slices).
+    `stacked`: the backward kernel's three-dot form (the plan's ``backward_dots``)."""
 
     def on_platform(kernel, default):
         if interpret:
@@ -231,6 +234,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     attend = on_platform(forward, composed)
     bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,
                       block_heads=sparse_attention_backward.BLOCK_HEADS)
+    dots = dict(stacked=True) if stacked else {}
 
     def uses_backward_kernel(q):
         return backward == "auto" and (interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks))
@@ -265,7 +269,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
-                interpret=interpret, **bwd_blocks, **extra)
+                interpret=interpret, **bwd_blocks, **dots, **extra)
 
         def reference_grads(*a):
             dq, dpool, _, dsinks, dentries, *_ = reference_vjp(composed, a[:8], a[-1])
