@@ -60,6 +60,14 @@ def _decode(attn, cache, steps: int, seed: int = 10):
     return outs, cache
 
 
+def _assert_same_calls(outs, cache, want_outs, want_cache):
+    """Two runs of calls gave the same outputs and the same final cache, bit for bit."""
+    for a, b in zip(outs, want_outs):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _raw(attn, cache, x, positions):
     """The same call through the raw compiled step (fresh weights pytree, device length)."""
     weights = attention._weights_of(attn, AttentionWeights)
@@ -492,10 +500,7 @@ def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkey
     got, got_cache = _decode(checked, cache, 3)
     assert len(ran) == 4
     assert kinds == {"pinned_host"}  # the verdict written to host memory by the guard (CPU and GPU have it)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_same_calls(got, got_cache, want, want_cache)
 
     n = int(got_cache.length[0])
     nan = _hidden(1).at[0, 0, 3].set(jnp.inf)

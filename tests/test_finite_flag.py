@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import NATIVE_BUILT
-from test_call_path import PREFILL, _decode, _hidden, _layer, _positions, _prefilled
+from test_call_path import PREFILL, _assert_same_calls, _decode, _hidden, _layer, _positions, _prefilled
 
 from dsv4_jax import call_path, finite_flag, native, validation
 from dsv4_jax.step import compiled_steps
@@ -83,10 +83,7 @@ def test_a_device_input_checked_by_the_flag_is_the_guards_call(flag):
     got, got_cache = _decode(checked, cache, 3)
     assert not flag  # the guard never ran
     assert slot.last == first + 3
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_same_calls(got, got_cache, want, want_cache)
 
     n = int(got_cache.length[0])
     nan = _hidden(1).at[0, 0, 3].set(jnp.inf)
@@ -178,3 +175,44 @@ def test_the_verdicts_way_is_checked_and_falls_back_without_the_native_extension
     attn = _layer()
     _prefilled(attn)
     assert len(flag) == 1  # the prefill's check ran the guard
+
+
+@needs_native
+def test_layers_called_from_two_threads_each_get_their_own_verdict(flag):
+    """The flagged steps of two threads are awaited one at a time (the process's lock): each
+    call reads its own word, so a NaN input in one thread raises there and the other thread's
+    calls run as they would alone."""
+    import threading
+
+    layers = [_layer(), _layer()]
+    caches = [_prefilled(attn) for attn in layers]
+    want = [_decode(attn, cache, 4, seed=30 + 10 * i)[0] for i, (attn, cache) in enumerate(zip(layers, caches))]
+    results, errors = [None, None], []
+
+    def run(i):
+        try:
+            attn, cache = layers[i], caches[i]
+            outs = []
+            for step in range(4):
+                if i == 1:  # a rejected call between every two accepted ones
+                    try:
+                        attn(_hidden(99).at[0, 0, step].set(jnp.nan), _positions(cache.length), cache)
+                        errors.append("a NaN input was accepted")
+                    except ValueError as err:
+                        assert "its results were discarded" in str(err)
+                out, cache = attn(_hidden(30 + 10 * i + step), _positions(cache.length), cache)
+                outs.append(np.asarray(out))
+            results[i] = outs
+        except Exception as err:  # reported below, with the thread's index
+            errors.append(f"thread {i}: {type(err).__name__}: {err}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for got, expected in zip(results, want):
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a, b)
+    assert not flag
