@@ -30,7 +30,9 @@
 #             CUDA handler, then the module call with each finite-check way against the jitted step
 #             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
 #   trainab   the same for the training step: bench/train.py --size flash $TRAIN_ARGS $ARGS_T per variant,
-#             ORDER and the swapped files as in ab -> $OUT/train_ab_<i>_<tag>.json
+#             ORDER and the swapped files as in ab -> $OUT/train_ab_<i>_<tag>.json; AUTOTUNE_DUMP=1 also
+#             writes what XLA's autotuner chose in each process -> $OUT/autotune_<i>_<tag>.textproto (the
+#             processes of one tree differ: compare a slow one's with a fast one's)
 #
 # e.g. TRAIN_ARGS="--stacks csa,hca --batches 1,4 --lengths 4096,16384" bash bench/gpu.sh gates train
 set -uo pipefail
@@ -185,8 +187,11 @@ trainab() {
   for tag in $order; do
     i=$((i + 1)); ab_use "$tag"
     extra_args=$(eval echo "\${ARGS_$tag:-}")
-    timeout "${TRAIN_TIMEOUT:-240}" python3 bench/train.py --size flash ${TRAIN_ARGS:-} $extra_args \
-      --json "$OUT/train_ab_${i}_$tag.json" >"$OUT/train_ab_${i}_$tag.log" 2>&1
+    ( if [ "${AUTOTUNE_DUMP:-0}" = 1 ]; then  # what XLA's autotuner chose, per process (variance hunts)
+        export XLA_FLAGS=$(echo ${XLA_FLAGS:-} --xla_gpu_dump_autotune_results_to="$OUT/autotune_${i}_$tag.textproto")
+      fi
+      timeout "${TRAIN_TIMEOUT:-240}" python3 bench/train.py --size flash ${TRAIN_ARGS:-} $extra_args \
+        --json "$OUT/train_ab_${i}_$tag.json" >"$OUT/train_ab_${i}_$tag.log" 2>&1 )
     echo "$i $tag rc=$?"; grep -v "^ *$" "$OUT/train_ab_${i}_$tag.log" | tail -8
   done
   ab_use new
