@@ -171,6 +171,8 @@ def _await(slot: _Slot, want: int, out) -> bool | None:
                 word = words.item(index)
                 if word >> 1 == want:
                     return bool(word & 1)
+                if word >> 1 > want:  # out of sequence (the next call settles the slot)
+                    return None
                 slot.broken = (f"the step on {slot.device} finished without writing its finite flag "
                                f"(slot {index}: seq {word >> 1}, expected {want})")
                 warnings.warn(f"dsv4_jax: {slot.broken}; the finite check uses the guard program from now on",
