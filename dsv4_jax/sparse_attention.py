@@ -234,7 +234,6 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     attend = on_platform(forward, composed)
     bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,
                       block_heads=sparse_attention_backward.BLOCK_HEADS)
-    dots = dict(stacked=True) if stacked else {}
 
     def uses_backward_kernel(q):
         return backward == "auto" and (interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks))
@@ -269,7 +268,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
-                interpret=interpret, **bwd_blocks, **dots, **extra)
+                interpret=interpret, stacked=stacked, **bwd_blocks, **extra)
 
         def reference_grads(*a):
             dq, dpool, _, dsinks, dentries, *_ = reference_vjp(composed, a[:8], a[-1])

@@ -18,13 +18,13 @@ by atomic adds:
       ds   [bh, bk]       p * (do k - delta)                    (the logits' cotangent)
       dq  += ds k * scale                                       [bh, D], float32, written once
       dk   = (ds * scale) q + p do                             [bk, D], atomically added at idx
+    the sink:  dsink = -sum_rows exp(sink - lse) * delta        (an XLA reduction outside)
 
 Five dots a key block (q k, do k, ds k, ds q, p do), each with bh = 32 rows. `stacked=True`
 computes the same with three, on the rows of q and do stacked once per program, x = [q; do]
 [2bh, D]: x k -> [s; dp] [2bh, bk] (one dot of 2bh = 64 rows, the M that Hopper's wgmma
 takes), ds k, and [ds * scale; p]^T x -> dk (one dot over 2bh). The stacking and the split
 are Triton joins and splits of register tiles; only the order of float32 sums differs.
-    the sink:  dsink = -sum_rows exp(sink - lse) * delta        (an XLA reduction outside)
 
 `delta` is the kernel's own (it loads the tile of do anyway): a separate pass over o and do
 cost 0.15 ms a layer of an HCA 4k training step on the H200. Where the caller holds the output
