@@ -49,6 +49,7 @@ An ITEM is ``B:CTX`` (decode of the mixed stack at batch B from context CTX), ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import functools
@@ -77,7 +78,7 @@ import numpy as np  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
-from dsv4_jax import finite_flag, validation  # noqa: E402
+from dsv4_jax import finite_flag  # noqa: E402
 from dsv4_jax import numerics as numerics_mod  # noqa: E402
 from dsv4_jax import overlap as overlap_mod  # noqa: E402
 from dsv4_jax import step as step_mod  # noqa: E402
@@ -508,6 +509,18 @@ def profile_items(spec: str | None) -> list:
     return items
 
 
+@contextlib.contextmanager
+def _finite_verdict(mode):
+    """`finite_flag.VERDICT` for the calls of `call_overhead`'s layer `mode`: "flag" for its
+    "flag" layer, as it was for the others (restored after)."""
+    before = finite_flag.VERDICT
+    finite_flag.VERDICT = "flag" if mode == "flag" else before
+    try:
+        yield
+    finally:
+        finite_flag.VERDICT = before
+
+
 def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict:
     """The module call against `jax.jit(attention_step)` on one CSA decode step (same inputs).
 
@@ -531,18 +544,16 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     xs = _hidden(cfg, batch, 1, jnp.dtype(dtype), seed + 1)
     max_seq_len = _round_up(context + repeats * steps + 8)
     layers, caches, times = {}, {}, {}
-    verdict = finite_flag.VERDICT
     for mode in (True, "host", False, "flag"):
         attn = layers[mode] = measure.build_layer(cfg, layer_idx, dtype, seed)
         attn.break_mode, attn.donate_cache, times[mode] = "none", False, []
         attn.check_finite = True if mode == "flag" else mode
-        finite_flag.VERDICT = "flag" if mode == "flag" else verdict
-        try:
+        with _finite_verdict(mode):
             _, caches[mode] = attn(x, np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
                                    attn.init_cache(batch, max_seq_len))
-        finally:
-            finite_flag.VERDICT = verdict
-    flag_words = 0
+    with _finite_verdict("flag"):  # the flag's slot and its last word, where the prefill used it
+        slot = finite_flag.slot_for(xs)
+    first_word = None if slot is None else slot.last
     attn = layers[True]
     spec = attn.step_spec()
     step = step_mod.step_for(spec, attn.donate_cache)
@@ -552,21 +563,17 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     for i in range(repeats * steps):
         p = np.full((batch, 1), context + i, np.int32)
         for mode, layer in layers.items():
-            finite_flag.VERDICT = "flag" if mode == "flag" else verdict
-            try:
+            with _finite_verdict(mode):
                 t0 = time.perf_counter()
                 outs[mode], caches[mode] = layer(xs, p, caches[mode])
                 jax.block_until_ready(outs[mode])
                 times[mode].append(time.perf_counter() - t0)
-                if mode == "flag":
-                    flag_words += not validation._host_resident(xs) and finite_flag.slot_for(xs) is not None
-            finally:
-                finite_flag.VERDICT = verdict
         t0 = time.perf_counter()
         out, raw_cache, _ = step(weights, raw_cache, xs, p, spec=spec)
         jax.block_until_ready(out)
         raw_t.append(time.perf_counter() - t0)
     module_ms, raw_ms = (1e3 * float(np.median(t)) for t in (times[True], raw_t))
+    flag_words = 0 if first_word is None or slot.last is None else slot.last - first_word
     diff = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - out.astype(jnp.float32)))) for o in outs.values())
     return {"scenario": "call_overhead", "size": size, "layer_type": "CSA", "batch": batch, "context_len": context,
             "module_call_ms": module_ms, "jit_step_ms": raw_ms, "overhead_ms": module_ms - raw_ms,
