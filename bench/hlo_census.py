@@ -8,8 +8,11 @@ its ``hidden_states`` parameter (which stack case it is), the ``copy`` instructi
 entry computation with what they copy (a cache leaf copied for a reader of its old value, an
 aliased output, ...), its conditionals and custom calls, and, on the GPU, its thunks by kind
 (``thunk_sequence.txt``: kCustomKernel = a kernel launch, kCopy = a device-to-device memcpy,
-kConditional, kCustomCall), i.e. the nodes of the step's CUDA graph. Nothing is timed here: the
-profiles (`bench/kernel_profile.py`) say what each costs.
+kConditional, kCustomCall), i.e. the nodes of the step's CUDA graph; with ``thunk_metadata.txt``
+the launches by stage (each thunk's HLO instruction, a fusion's root, the step's named scopes:
+`stages_of`), and with ``thunk_sequence_after_thunk_passes.txt`` the command buffers and what
+runs between them (`graphs_of`). Nothing is timed here: the profiles (`bench/kernel_profile.py`)
+say what each costs. `bench/deviceless.py` makes such a dump for the H200 on a machine without it.
 """
 
 from __future__ import annotations
@@ -26,11 +29,108 @@ _HIDDEN = re.compile(r"%hidden_states[.\d]* = (\w+)\[([\d,]+)\]")
 _CONDITIONAL = re.compile(r" conditional\(")
 _CUSTOM_CALL = re.compile(r" custom-call\(")
 _THUNK = re.compile(r"^\s*\d+: (k\w+)", re.M)
+_TOP_THUNK = re.compile(r"^\d+: (k\w+)", re.M)  # thunk_sequence_after_thunk_passes.txt: not nested
 _DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = ", re.M)
+# thunk_metadata.txt: each thunk's HLO instruction (its profile annotation) and kind
+_THUNK_META = re.compile(r'profile_annotation: "([^"]*)"[^}]*\}\s*thunk_kind: "(\w+)"')
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = .*$", re.M)
+_COMPUTATION = re.compile(r"^%(\S+) \(.*?\{\n(.*?)\n\}", re.M | re.S)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_WORD = re.compile(r"\w+")
+
+# The step's stages: its named scopes (`dsv4_jax.step`), in the order a layer runs them.
+STAGE_ORDER = ("input_projections", "wq_b_kv_insert", "compressor", "indexer_compressor", "indexer_queries",
+               "indexer_select", "sparse_attention", "output_projection", "other")
+# Thunks that hold others (a CUDA graph, a sequence, a branch, a loop); every other thunk is a launch
+# (a kernel, a copy, a custom call).
+CONTAINERS = ("kCommandBuffer", "kSequential", "kConditional", "kWhile")
 
 
-def census_of(hlo_text: str, thunk_text: str | None = None) -> dict:
-    """The census of one optimized module (its text, and its GPU thunk sequence if any)."""
+def stage_of_op_name(op_name: str) -> str | None:
+    """The stage an XLA operation belongs to from its op_name ("jit(stack_step)/input_projections/
+    cond/.../dot_general"; under a gradient "transpose(jvp(...))" wrap the scopes): the first named
+    scope of the step in it, "... (bwd)" inside a transpose, None if none."""
+    for part in op_name.split("/"):
+        for word in _WORD.findall(part):
+            if word in STAGE_ORDER:
+                return f"{word} (bwd)" if "transpose(" in op_name else word
+    return None
+
+
+def stages_of(hlo_text: str, metadata_text: str) -> dict:
+    """Launches of the program by stage: each launching thunk (thunk_metadata.txt) is its HLO
+    instruction's, a fusion the stage of its root (else of most of its operations), "other" where
+    no stage is named (the positions from the cache lengths, the residual add between layers)."""
+    instructions = {}
+    for match in _INSTRUCTION.finditer(hlo_text):
+        instructions.setdefault(match.group(1), match.group(0))
+    bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(hlo_text)}
+
+    def stage(name: str) -> str:
+        line = instructions.get(name, "")
+        calls = _CALLS.search(line)
+        body = bodies.get(calls.group(1), "") if calls else ""
+        root = [ln for ln in body.splitlines() if ln.lstrip().startswith("ROOT")]
+        for names in (_OP_NAME.findall(root[0]) if root else [], _OP_NAME.findall(line)):
+            found = [s for s in map(stage_of_op_name, names) if s]
+            if found:
+                return found[0]
+        found = [s for s in map(stage_of_op_name, _OP_NAME.findall(body)) if s]
+        return collections.Counter(found).most_common(1)[0][0] if found else "other"
+
+    counts = collections.Counter(stage(name) for name, kind in _THUNK_META.findall(metadata_text)
+                                 if kind not in CONTAINERS)
+    return dict(sorted(counts.items(), key=lambda kv: stage_rank(kv[0])))
+
+
+def stage_rank(stage: str) -> tuple:
+    """Sort key: the forward stages in STAGE_ORDER, then the backward ones."""
+    base = stage.removesuffix(" (bwd)")
+    return (stage != base, STAGE_ORDER.index(base) if base in STAGE_ORDER else len(STAGE_ORDER))
+
+
+# Entry instructions that launch nothing (views, tuples, values already in place).
+_NOT_LAUNCHED = ("parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "opt-barrier",
+                 "partition-id", "replica-id")
+_ENTRY_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (?:\([^=]*?\)|\S+) ([\w-]+)\((.*?)\)", re.M)
+
+
+def critical_path(hlo_text: str) -> list[str]:
+    """The longest chain of launches through the entry computation's data dependencies: each
+    launch waits for the launches that made its operands, so however many run side by side (the
+    overlap's concurrent command buffers), a step takes at least this chain's launches one after
+    another. Returns the chain's instruction names, first to last."""
+    entry = hlo_text[hlo_text.find("\nENTRY"):] if "\nENTRY" in hlo_text else hlo_text
+    depth, best_from = {}, {}
+    for name, opcode, operands in _ENTRY_INSTRUCTION.findall(entry):
+        args = [a for a in re.findall(r"%([\w.\-]+)", operands) if a in depth]
+        before = max(args, key=lambda a: depth[a], default=None)
+        depth[name] = (depth[before] if before else 0) + (opcode not in _NOT_LAUNCHED)
+        best_from[name] = before
+    if not depth:
+        return []
+    name, chain = max(depth, key=depth.get), []
+    while name is not None:
+        chain.append(name)
+        name = best_from[name]
+    launched = {n for n, op, _ in _ENTRY_INSTRUCTION.findall(entry) if op not in _NOT_LAUNCHED}
+    return [n for n in reversed(chain) if n in launched]
+
+
+def graphs_of(passes_text: str) -> dict:
+    """The program's top level after XLA's thunk passes: its command buffers (CUDA graphs) and
+    the launches between them (each a launch of its own, and a graph split)."""
+    top = _TOP_THUNK.findall(passes_text)
+    return {"command_buffers": top.count("kCommandBuffer"),
+            "outside_command_buffers": dict(collections.Counter(k for k in top if k not in CONTAINERS))}
+
+
+def census_of(hlo_text: str, thunk_text: str | None = None, metadata_text: str | None = None,
+              passes_text: str | None = None) -> dict:
+    """The census of one optimized module (its text, and its GPU thunk sequence, thunk metadata
+    and thunk sequence after the thunk passes if any: the thunks by kind, the launches by
+    stage, the command buffers)."""
     entry = hlo_text[hlo_text.find("\nENTRY"):] if "\nENTRY" in hlo_text else hlo_text
     hidden = _HIDDEN.search(hlo_text)
     shape = [int(d) for d in hidden.group(2).split(",")] if hidden else None
@@ -47,9 +147,14 @@ def census_of(hlo_text: str, thunk_text: str | None = None) -> dict:
                         if "scatter" in name or "dynamic-update-slice" in name or "dynamic_update_slice" in name),
         "conditionals": len(_CONDITIONAL.findall(hlo_text)),
         "custom_calls": len(_CUSTOM_CALL.findall(hlo_text)),
+        "critical_path": len(critical_path(hlo_text)),
     }
     if thunk_text is not None:
         out["thunks"] = dict(collections.Counter(_THUNK.findall(thunk_text)).most_common())
+    if metadata_text is not None:
+        out["stages"] = stages_of(hlo_text, metadata_text)
+    if passes_text is not None:
+        out.update(graphs_of(passes_text))
     return out
 
 
@@ -58,15 +163,15 @@ def census(dump_dir: str, module: str = "stack_step") -> list[dict]:
     rows = []
     pattern = os.path.join(dump_dir, f"*{module}*after_optimizations.txt")
     for path in sorted(glob.glob(pattern)):
-        prefix = path[: path.index(".", path.index(module))]  # module_NNNN.jit_<name>
-        thunks = glob.glob(prefix + ".thunk_sequence.txt")
-        with open(path) as f:
-            text = f.read()
-        thunk_text = None
-        if thunks:
-            with open(thunks[0]) as f:
-                thunk_text = f.read()
-        rows.append({"module": os.path.basename(prefix), **census_of(text, thunk_text)})
+        prefix = os.path.join(dump_dir, ".".join(os.path.basename(path).split(".")[:2]))  # module_NNNN.jit_<name>
+        texts = []
+        for name in (path, prefix + ".thunk_sequence.txt", prefix + ".thunk_metadata.txt",
+                     prefix + ".thunk_sequence_after_thunk_passes.txt"):
+            texts.append(None)
+            if os.path.exists(name):
+                with open(name) as f:
+                    texts[-1] = f.read()
+        rows.append({"module": os.path.basename(prefix), **census_of(*texts)})
     return rows
 
 

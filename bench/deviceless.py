@@ -1,0 +1,232 @@
+"""What XLA would run on an H200, compiled on a machine without one: the kernels of a step, by stage.
+
+    python -m venv .venv-deviceless
+    .venv-deviceless/bin/pip install -e . "jax-cuda13-plugin==$JAX" "jax-cuda13-pjrt==$JAX"  # $JAX: jax's version
+    .venv-deviceless/bin/python bench/deviceless.py --scenario decode --stacks csa,hca --batches 1,32
+    .venv-deviceless/bin/python bench/deviceless.py --scenario train --stacks csa --batches 1 --tokens 4096 \
+        --backward-dots split,stacked
+
+XLA compiles for a GPU it does not have from a description of it (``GpuTargetConfigProto``:
+`bench/targets/h200.txtpb`, from openxla/xla's specs) through the CUDA plugin's compile-only
+topology: the plugin and its PJRT library install from PyPI on any Linux machine, need no GPU,
+driver or cuDNN (the version check is skipped: `JAX_SKIP_CUDA_CONSTRAINTS_CHECK`), and compile
+with the CUDA toolkit's ptxas where one is on PATH. Keep them in a venv of their own: with them a
+process looks for a GPU at start-up. The step is traced as on the H200 (the process pretends its
+default backend is a GPU while tracing, so the kernel plan, the overlap and the Pallas kernels
+resolve as there, and the native handlers' custom calls are named, not run), compiled with
+XLA's dump on, and the dump read by `bench/hlo_census.py`: every thunk of the program (a kernel
+launch, a copy, a custom call; the nodes of its CUDA graph) and the stage each kernel computes
+(the step's named scopes).
+
+What it is good for: counting kernels and copies before and after a change (issue 31's fewer
+kernels per decode step), checking that a Pallas kernel compiles for sm_90 (Triton, ptxas) before
+a device call, XLA's memory analysis of a program. What it is not: a timing, and not exactly the
+H200's program: without the device XLA does not autotune (its GEMM configs are the heuristic's),
+and jaxlib here may be older than the GPU machine's. Counts measured this way say "deviceless" in
+their records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import sys
+import tempfile
+
+# The CUDA plugin checks the CUDA libraries (cuDNN, cuBLAS, ...) when jax starts; a compile-only
+# topology needs none of them.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax
+import jax.numpy as jnp
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from bench import hlo_census  # noqa: E402
+from bench import stack as stack_mod  # noqa: E402
+from dsv4_jax import native  # noqa: E402
+
+TARGETS = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h200.txtpb")}
+SCENARIOS = ("decode", "prefill", "train")
+_INSTALL = ("install the CUDA plugin (no GPU needed) in a venv of its own: pip install "
+            f"'jax-cuda13-plugin=={jax.__version__}' 'jax-cuda13-pjrt=={jax.__version__}', and start "
+            "the process with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (this script sets it if jax was not "
+            "started before it)")
+
+
+@functools.cache
+def target_device(target: str = "h200"):
+    """A compile-only device of `target` (a key of TARGETS): programs compile for it, never run."""
+    from jax.experimental import topologies
+
+    with open(TARGETS[target]) as f:
+        config = f.read()
+    try:
+        topology = topologies.get_topology_desc("deviceless", "cuda", target_config=config, topology="1x1x1")
+    except (NotImplementedError, RuntimeError, ValueError, TypeError) as err:
+        raise RuntimeError(f"no compile-only CUDA topology in this process ({err}); {_INSTALL}") from err
+    return topology.devices[0]
+
+
+@contextlib.contextmanager
+def pretend_gpu():
+    """Trace as on a GPU machine: `jax.default_backend()` says "gpu" (the kernel plans, the overlap
+    and the Pallas kernels' choices read it) and the native CUDA handlers count as usable (their
+    custom calls are only compiled). Restored on exit; the handlers' cached verdicts are cleared."""
+    saved_backend, saved_present = jax.default_backend, native._backend_present
+    jax.default_backend = lambda: "gpu"
+    native._backend_present = lambda platform: True
+    native._registered.cache_clear()
+    try:
+        yield
+    finally:
+        jax.default_backend, native._backend_present = saved_backend, saved_present
+        native._registered.cache_clear()
+
+
+def _abstract(tree, device):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One program: `scenario` of a stack of `layers` layers of `stack` ("csa", "hca", "mixed")."""
+
+    scenario: str
+    stack: str
+    batch: int
+    tokens: int  # decode: the context; prefill and train: the tokens a row
+    layers: int = 4
+    size: str = "flash"
+    backward_dots: str = "auto"  # train: the plan's backward_dots
+    finite_flag: bool = False  # decode, prefill: the steps compute the module call's finite flag
+
+
+def lowered(case: Case, device):
+    """The case's program, traced as on the GPU and lowered for CUDA (jax's Lowered)."""
+    cfg = stack_mod.stack_config(case.size, case.layers)
+    dtype = jnp.bfloat16
+    hidden = jax.ShapeDtypeStruct((case.batch, 1 if case.scenario == "decode" else case.tokens, cfg.hidden_size),
+                                  dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+    with pretend_gpu():
+        if case.scenario == "train":
+            from bench import train as train_mod
+
+            plan = dataclasses.replace(stack_mod.kernel_plan(argparse.Namespace()), backward_dots=case.backward_dots)
+            stack = train_mod.TrainStack(cfg, case.stack, case.layers, dtype, 0, "none", plan)
+            caches = jax.eval_shape(lambda: stack.empty_caches(case.batch, stack_mod._round_up(case.tokens)))
+            positions = jax.ShapeDtypeStruct((case.batch, case.tokens), jnp.int32,
+                                             sharding=jax.sharding.SingleDeviceSharding(device))
+            jitted, args = train_mod.FWD_BWD, (stack.weights, caches, hidden, positions)
+            static = {"specs": stack.specs, "remat": "none"}
+        else:
+            stack = stack_mod.Stack(cfg, case.stack, case.layers, dtype, 0, "none")
+            extra = case.tokens + 64 if case.scenario == "decode" else case.tokens
+            caches = jax.eval_shape(lambda: stack.empty_caches(case.batch, stack_mod._round_up(extra)))
+            if case.scenario == "decode":  # bench/stack.py --same-buffers all: what the stacks time
+                jitted, args = stack.jits["all"], (stack.weights, caches, hidden)
+            else:
+                positions = jax.ShapeDtypeStruct((case.batch, case.tokens), jnp.int32,
+                                                 sharding=jax.sharding.SingleDeviceSharding(device))
+                jitted, args = stack.jits[None], (stack.weights, caches, hidden, positions)
+            specs = stack.specs
+            if case.finite_flag:
+                from dsv4_jax import finite_flag
+
+                specs = tuple(finite_flag.flagged_spec(spec) for spec in specs)
+            static = {"specs": specs}
+        args = (_abstract(args[0], device), _abstract(args[1], device), *args[2:])
+        return jitted.trace(*args, **static).lower(lowering_platforms=("cuda",)), stack
+
+
+def census(case: Case, target: str = "h200", keep_dump: str | None = None) -> dict:
+    """Compile the case for `target` without the device; its census (`hlo_census.census_of`,
+    with the kernels by stage) and XLA's memory analysis."""
+    device = target_device(target)
+    low, stack = lowered(case, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = keep_dump or tmp
+        compiled = low.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        rows = hlo_census.census(dump, module="")
+    if len(rows) != 1:
+        raise RuntimeError(f"expected one optimized module in the dump, found {len(rows)}")
+    mem = compiled.memory_analysis()
+    row = rows[0]
+    kernels = sum(v for k, v in row.get("thunks", {}).items() if k not in hlo_census.CONTAINERS)
+    return {**row, **dataclasses.asdict(case), "scenario": f"deviceless_{case.scenario}", "target": target,
+            "layer_type": stack.layer_type, "jax": jax.__version__, "deviceless": True,
+            "launches": kernels, "launches_per_layer": kernels / case.layers,
+            "critical_path_per_layer": row["critical_path"] / case.layers,
+            "stages_per_layer": {k: v / case.layers for k, v in row.get("stages", {}).items()},
+            "temp_mib": mem.temp_size_in_bytes / 2**20 if mem else None}
+
+
+def markdown(rows: list[dict]) -> str:
+    """Launches a layer (kernels, copies, custom calls): all, on the critical path (one after
+    another however many run side by side), and by stage; the step's command buffers."""
+    stages = _stage_columns(rows)
+    head = ["case", "launches a layer", "in a chain", "graphs", *stages]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        extra = f", {r['backward_dots']} dots" if r["scenario"] == "deviceless_train" else ""
+        extra += ", finite flag" if r.get("finite_flag") else ""
+        scenario = r["scenario"].removeprefix("deviceless_")
+        case = f"{scenario} {r['layer_type']} x{r['layers']} B={r['batch']} {r['tokens']}{extra}"
+        cells = [f"{r['stages_per_layer'].get(s, 0):g}" for s in stages]
+        lines.append(f"| {case} | {r['launches_per_layer']:g} | {r['critical_path_per_layer']:g} | "
+                     f"{r.get('command_buffers', '-')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _stage_columns(rows: list[dict]) -> list[str]:
+    present = {s for r in rows for s in r["stages_per_layer"]}
+    return sorted(present, key=hlo_census.stage_rank)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", choices=SCENARIOS, default="decode")
+    ap.add_argument("--stacks", default="csa,hca", help="csa, hca, mixed (comma-separated)")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--tokens", default=None,
+                    help="decode: contexts (default 16384); prefill, train: tokens a row (default 4096)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--size", default="flash")
+    ap.add_argument("--backward-dots", default="auto", help="train: the plans' backward_dots (comma-separated)")
+    ap.add_argument("--finite-flag", action="store_true",
+                    help="decode, prefill: the steps compute the module call's finite flag (dsv4_jax.finite_flag)")
+    ap.add_argument("--target", choices=sorted(TARGETS), default="h200")
+    ap.add_argument("--keep-dump", default=None, help="keep XLA's dump of the last case here")
+    ap.add_argument("--json", default=None, help="write the records here")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    tokens = args.tokens or ("16384" if args.scenario == "decode" else "4096")
+    dots = args.backward_dots.split(",") if args.scenario == "train" else ["auto"]
+    rows = []
+    for kind in args.stacks.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for n in (int(t) for t in tokens.split(",")):
+                for d in dots:
+                    case = Case(args.scenario, kind, batch, n, args.layers, args.size, d, args.finite_flag)
+                    rows.append(census(case, args.target, args.keep_dump))
+                    print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"records": rows, "meta": {"jax": jax.__version__, "target": args.target,
+                                                 "argv": sys.argv[1:]}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
