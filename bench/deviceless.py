@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import Any
 
 # The CUDA plugin checks the CUDA libraries (cuDNN, cuBLAS, ...) when jax starts; a compile-only
 # topology needs none of them.
@@ -51,6 +52,7 @@ if _ROOT not in sys.path:
 from bench import hlo_census  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import native  # noqa: E402
+from dsv4_jax.kernel_plan import as_kernel_plan  # noqa: E402
 
 TARGETS = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h200.txtpb")}
 SCENARIOS = ("decode", "prefill", "train")
@@ -107,6 +109,7 @@ class Case:
     size: str = "flash"
     backward_dots: str = "auto"  # train: the plan's backward_dots
     finite_flag: bool = False  # decode, prefill: the steps compute the module call's finite flag
+    kernels: Any = "auto"  # the layers' `kernels=` (a name or a `KernelPlan`)
 
 
 def lowered(case: Case, device):
@@ -115,11 +118,13 @@ def lowered(case: Case, device):
     dtype = jnp.bfloat16
     hidden = jax.ShapeDtypeStruct((case.batch, 1 if case.scenario == "decode" else case.tokens, cfg.hidden_size),
                                   dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+    plan = as_kernel_plan(case.kernels)
+    if case.backward_dots != "auto":
+        plan = dataclasses.replace(plan, backward_dots=case.backward_dots)
     with pretend_gpu():
         if case.scenario == "train":
             from bench import train as train_mod
 
-            plan = dataclasses.replace(stack_mod.kernel_plan(argparse.Namespace()), backward_dots=case.backward_dots)
             stack = train_mod.TrainStack(cfg, case.stack, case.layers, dtype, 0, "none", plan)
             caches = jax.eval_shape(lambda: stack.empty_caches(case.batch, stack_mod._round_up(case.tokens)))
             positions = jax.ShapeDtypeStruct((case.batch, case.tokens), jnp.int32,
@@ -128,6 +133,9 @@ def lowered(case: Case, device):
             static = {"specs": stack.specs, "remat": "none"}
         else:
             stack = stack_mod.Stack(cfg, case.stack, case.layers, dtype, 0, "none")
+            for attn in stack.layers:
+                attn.kernels = plan
+            stack.set_overlap(stack.overlap)  # the specs again, with the plan
             extra = case.tokens + 64 if case.scenario == "decode" else case.tokens
             caches = jax.eval_shape(lambda: stack.empty_caches(case.batch, stack_mod._round_up(extra)))
             if case.scenario == "decode":  # bench/stack.py --same-buffers all: what the stacks time

@@ -28,6 +28,9 @@ _COPY = re.compile(r"^\s*%(\S+) = (\S+) copy\((%[^)]*)\)", re.M)
 _HIDDEN = re.compile(r"%hidden_states[.\d]* = (\w+)\[([\d,]+)\]")
 _CONDITIONAL = re.compile(r" conditional\(")
 _CUSTOM_CALL = re.compile(r" custom-call\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+TRITON = "__gpu$xla.gpu.triton"  # a Pallas kernel lowered for a GPU
+NATIVE = "dsv4_"  # the package's XLA FFI handlers (csrc/)
 _THUNK = re.compile(r"^\s*\d+: (k\w+)", re.M)
 _TOP_THUNK = re.compile(r"^\d+: (k\w+)", re.M)  # thunk_sequence_after_thunk_passes.txt: not nested
 _DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = ", re.M)
@@ -147,6 +150,9 @@ def census_of(hlo_text: str, thunk_text: str | None = None, metadata_text: str |
                         if "scatter" in name or "dynamic-update-slice" in name or "dynamic_update_slice" in name),
         "conditionals": len(_CONDITIONAL.findall(hlo_text)),
         "custom_calls": len(_CUSTOM_CALL.findall(hlo_text)),
+        "custom_call_targets": dict(collections.Counter(_TARGET.findall(hlo_text))),
+        "triton_calls": _TARGET.findall(hlo_text).count(TRITON),
+        "native_calls": sum(t.startswith(NATIVE) for t in _TARGET.findall(hlo_text)),
         "critical_path": len(critical_path(hlo_text)),
     }
     if thunk_text is not None:

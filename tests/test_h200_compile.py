@@ -1,0 +1,86 @@
+"""Every kernel compiles for the H200, on a machine without one (`bench/deviceless.py`).
+
+The Pallas kernels run as Triton programs only on a GPU, so the CPU suite checks their math in
+interpret mode but never their compilation: block shapes Triton rejects, shared memory past the
+H200's 227 KiB, a dot dimension under 16, a custom call XLA leaves out of the step's CUDA graph.
+Here each step is traced as on the H200 (its kernel plan forced to every kernel), compiled for it
+through XLA's compile-only CUDA topology (Triton and ptxas run) and read back from XLA's dump.
+
+Needs jax's CUDA plugin (`jax-cuda13-plugin` and `jax-cuda13-pjrt` of jax's version; no GPU) and
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 when jax starts: CI's deviceless stage (.ci/run). Elsewhere the
+file skips.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import dsv4_jax
+from dsv4_jax import KernelPlan
+
+
+def _cuda_plugin() -> bool:
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
+
+
+pytestmark = pytest.mark.skipif(not _cuda_plugin(), reason="needs jax's CUDA plugin (no GPU): see bench/deviceless.py")
+
+# The CUDA handlers (csrc/), built where nvcc was found at install.
+NATIVE_CUDA = dsv4_jax.native_info()["cuda"]["built"]
+# Every Pallas kernel, and the native selection where it is built, wherever the step can take them.
+EVERY_KERNEL = KernelPlan(select="native" if NATIVE_CUDA else "xla", decode_attention="pallas",
+                          prefill_attention="pallas", compress="pallas", query_norm="pallas", select_scores="pallas")
+
+
+def _census(scenario, stack, batch, tokens, size="small", **case):
+    from bench import deviceless
+
+    return deviceless.census(deviceless.Case(scenario, stack, batch, tokens, layers=1, size=size, **case))
+
+
+@pytest.mark.parametrize("stack", ["csa", "hca"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_decode_step_is_one_cuda_graph_with_every_kernel(stack, batch):
+    """Decode with the attention kernel, the compressors' pooling kernel and (CSA) the native
+    selection: compiled, and all of it inside one command buffer (nothing left between graphs)."""
+    row = _census("decode", stack, batch, 256, kernels=EVERY_KERNEL)
+    assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
+    assert row["triton_calls"] >= (3 if stack == "csa" else 2)  # attention + one pooling per compressor
+    assert row["native_calls"] == (1 if stack == "csa" and NATIVE_CUDA else 0)
+
+
+@pytest.mark.skipif(not NATIVE_CUDA, reason="the CUDA handlers are not built (no nvcc at install)")
+def test_the_finite_flag_stays_inside_the_cuda_graph():
+    """The module call's flag (`dsv4_jax.finite_flag`): its custom call is a node of the step's graph."""
+    row = _census("decode", "csa", 1, 256, kernels=EVERY_KERNEL, finite_flag=True)
+    assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
+    assert row["native_calls"] == 2  # the selection and the flag
+
+
+@pytest.mark.parametrize("stack", ["csa", "hca"])
+def test_a_prefill_step_compiles_with_every_kernel(stack):
+    """Prefill: the attention kernel for many queries a row, the queries' norm kernel and (CSA)
+    the indexer's Pallas scoring before the native top-k."""
+    row = _census("prefill", stack, 1, 256, kernels=EVERY_KERNEL)
+    assert row["triton_calls"] >= (3 if stack == "csa" else 2)
+
+
+@pytest.mark.parametrize("dots", ["split", "stacked"])
+def test_a_training_step_compiles_with_the_backward_kernel(dots):
+    """value_and_grad of a CSA layer: the attention kernel's backward in both dot forms, the
+    norm kernels' backward."""
+    forward = _census("prefill", "csa", 1, 256, kernels=EVERY_KERNEL)
+    row = _census("train", "csa", 1, 256, kernels=EVERY_KERNEL, backward_dots=dots)
+    assert any(stage.endswith("(bwd)") for stage in row["stages"])
+    assert row["triton_calls"] > forward["triton_calls"]  # the backward kernels
+
+
+@pytest.mark.parametrize("dots", ["split", "stacked"])
+def test_the_backward_kernel_compiles_at_v4_flash_size(dots):
+    """V4-Flash's 64 heads x 512: the sizes whose blocks fill the H200's shared memory."""
+    row = _census("train", "csa", 1, 512, size="flash", kernels=EVERY_KERNEL, backward_dots=dots)
+    assert row["triton_calls"] > 0 and any(stage.endswith("(bwd)") for stage in row["stages"])
