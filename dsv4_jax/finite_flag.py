@@ -11,7 +11,8 @@ back one of two ways, `VERDICT`:
   handler ``dsv4_finite_flag`` (`native.finite_flag`) writes ``(seq << 1) | finite`` into
   this device's slot of host memory the extension owns, and the call polls that word
   (`run_flagged`): no second program, no runtime read. The step is compiled once more for it
-  (the flag and the zeroing are part of its program).
+  (the flag, the zeroing and the output's join are part of its program; the handler runs beside
+  the step's chain of launches, which gains one, the reduction).
 
 ``"auto"`` (the default) is ``"guard"``: the flag is gated on the CPU (the handler writes
 from XLA's executor thread) but not yet measured or gated on an H200 (issue 31; `bench/stack.py
@@ -49,12 +50,23 @@ _LOCK = threading.Lock()  # one flagged step in flight at a time: its word's seq
 
 
 def flagged(hidden_states):
-    """Inside the step: `hidden_states` with a non-finite input zeroed, after the verdict
-    (``all(isfinite(hidden_states))``) went to the host (`native.finite_flag`). Everything that
-    reads the input runs after the word is written, and nothing downstream (the native
-    selection, a host break) sees a NaN of a call whose results the host will drop."""
-    finite = native.finite_flag(jnp.all(jnp.isfinite(hidden_states)))
-    return jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))
+    """Inside the step, at its start: (`hidden_states` with a non-finite input zeroed, the flag).
+    The verdict ``all(isfinite(hidden_states))`` goes to the host (`native.finite_flag`) beside
+    the step, not before it: the zeroing takes the reduction's verdict itself, so the handler is
+    not a link of the step's chain of launches (one launch, the reduction, instead of three:
+    bench/RESULTS.md "A step's launches"), and nothing downstream (the native selection, a host
+    break) sees a NaN of a call whose results the host will drop. The step's output must take
+    the flag (`joined`), which keeps the handler in the program."""
+    finite = jnp.all(jnp.isfinite(hidden_states))
+    flag = native.finite_flag(finite)
+    return jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype)), flag
+
+
+def joined(out, flag):
+    """The step's output after the flag was written: `out` itself for a finite input, NaN for
+    the call the host rejects (whose results it drops). A use XLA cannot fold away, at the end
+    of the step, where the handler has long run."""
+    return jnp.where(flag, out, jnp.asarray(jnp.nan, out.dtype))
 
 
 @functools.lru_cache(maxsize=256)

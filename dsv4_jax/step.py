@@ -389,8 +389,9 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     """
     cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
     check_cache_numerics(cache, spec.numerics)
+    flag = None
     if spec.finite_flag:  # the eager call polls the verdict; a non-finite input is zeroed
-        hidden_states = finite_flag.flagged(hidden_states)
+        hidden_states, flag = finite_flag.flagged(hidden_states)
     x = hidden_states.astype(dtype)
     length = jnp.asarray(cache.length, jnp.int32)
     positions = next_positions(length, x.shape[1]) if positions is None else positions.astype(jnp.int32)
@@ -440,6 +441,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     # An overflowing row's real slots output NaN.
     out = jnp.where(real[..., None], out, jnp.zeros((), out.dtype))
     out = jnp.where(overflow[:, None, None] & real[..., None], jnp.asarray(jnp.nan, out.dtype), out)
+    if flag is not None:
+        out = finite_flag.joined(out, flag)
 
     new_length = jnp.where(overflow, length, advance_length(length, count))
     new_cache = cache.replace(length=new_length, window=stages.window,

@@ -48,7 +48,8 @@ def _slot():
 @needs_native
 def test_the_handler_writes_each_run_a_numbered_word():
     """`native.finite_flag` returns its input and writes (seq << 1) | finite into the device's
-    slot: seq counts the runs, the low bit is the verdict."""
+    slot: seq counts the runs, the low bit is the verdict. `flagged` hands the step a non-finite
+    input zeroed; `joined` makes the step's output NaN for it."""
     device = jax.devices()[0]
     words = native.finite_flag_slots(device.platform)
     assert words is not None and words.dtype == np.uint64 and words.size == 64
@@ -57,15 +58,19 @@ def test_the_handler_writes_each_run_a_numbered_word():
 
     @jax.jit
     def flagged(x):
-        return finite_flag.flagged(x)
+        zeroed, flag = finite_flag.flagged(x)
+        return zeroed, finite_flag.joined(2 * x, flag)  # the step's input, and its output
 
     x = jnp.arange(6.0).reshape(1, 2, 3)
     before = words.item(index) >> 1
-    np.testing.assert_array_equal(np.asarray(flagged(x)), np.asarray(x))
+    step_input, out = flagged(x)
+    np.testing.assert_array_equal(np.asarray(step_input), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
     assert words.item(index) == ((before + 1) << 1) | 1
-    bad = np.asarray(flagged(x.at[0, 1, 2].set(jnp.nan)))
+    step_input, out = flagged(x.at[0, 1, 2].set(jnp.nan))
     assert words.item(index) == (before + 2) << 1
-    np.testing.assert_array_equal(bad, np.zeros_like(bad))  # a non-finite input is zeroed
+    np.testing.assert_array_equal(np.asarray(step_input), np.zeros((1, 2, 3)))  # what the step reads: zeros
+    assert np.isnan(np.asarray(out)).all()  # its output, which the call drops
 
 
 @needs_native
