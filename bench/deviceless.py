@@ -52,7 +52,7 @@ if _ROOT not in sys.path:
 from bench import hlo_census  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import native  # noqa: E402
-from dsv4_jax.kernel_plan import as_kernel_plan  # noqa: E402
+from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
 
 TARGETS = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h200.txtpb")}
 SCENARIOS = ("decode", "prefill", "train")
@@ -160,7 +160,10 @@ def census(case: Case, target: str = "h200", keep_dump: str | None = None) -> di
     device = target_device(target)
     low, stack = lowered(case, device)
     with tempfile.TemporaryDirectory() as tmp:
-        dump = keep_dump or tmp
+        if keep_dump:  # a folder of the case's own in it
+            os.makedirs(keep_dump, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f"{case.scenario}_{case.stack}_B{case.batch}_{case.tokens}_", dir=keep_dump)
+        dump = tmp
         compiled = low.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
         rows = hlo_census.census(dump, module="")
     if len(rows) != 1:
@@ -185,6 +188,10 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         extra = f", {r['backward_dots']} dots" if r["scenario"] == "deviceless_train" else ""
         extra += ", finite flag" if r.get("finite_flag") else ""
+        plan = r.get("kernels")
+        if isinstance(plan, dict):  # a forced plan: what differs from the default
+            extra += ", " + ", ".join(f"{k} {tuple(v) if isinstance(v, list) else v}" for k, v in plan.items()
+                                      if v != getattr(KernelPlan(), k))
         scenario = r["scenario"].removeprefix("deviceless_")
         case = f"{scenario} {r['layer_type']} x{r['layers']} B={r['batch']} {r['tokens']}{extra}"
         cells = [f"{r['stages_per_layer'].get(s, 0):g}" for s in stages]
@@ -210,8 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backward-dots", default="auto", help="train: the plans' backward_dots (comma-separated)")
     ap.add_argument("--finite-flag", action="store_true",
                     help="decode, prefill: the steps compute the module call's finite flag (dsv4_jax.finite_flag)")
+    ap.add_argument("--decode-kernel", action="store_true",
+                    help="the Pallas decode kernel for every decode shape it takes (as bench/stack.py's)")
+    ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
+                    help="blocks of every decode step the kernel runs (as bench/stack.py's)")
     ap.add_argument("--target", choices=sorted(TARGETS), default="h200")
-    ap.add_argument("--keep-dump", default=None, help="keep XLA's dump of the last case here")
+    ap.add_argument("--keep-dump", default=None, help="keep XLA's dumps here (a folder a case)")
     ap.add_argument("--json", default=None, help="write the records here")
     return ap
 
@@ -220,12 +231,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tokens = args.tokens or ("16384" if args.scenario == "decode" else "4096")
     dots = args.backward_dots.split(",") if args.scenario == "train" else ["auto"]
+    kernels = stack_mod.kernel_plan(args) if args.decode_kernel or args.decode_blocks else "auto"
     rows = []
     for kind in args.stacks.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for n in (int(t) for t in tokens.split(",")):
                 for d in dots:
-                    case = Case(args.scenario, kind, batch, n, args.layers, args.size, d, args.finite_flag)
+                    case = Case(args.scenario, kind, batch, n, args.layers, args.size, d, args.finite_flag, kernels)
                     rows.append(census(case, args.target, args.keep_dump))
                     print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
