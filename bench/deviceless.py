@@ -154,9 +154,12 @@ def lowered(case: Case, device):
         return jitted.trace(*args, **static).lower(lowering_platforms=("cuda",)), stack
 
 
-def census(case: Case, target: str = "h200", keep_dump: str | None = None) -> dict:
+def census(case: Case, target: str = "h200", keep_dump: str | None = None, autotune: str | None = None) -> dict:
     """Compile the case for `target` without the device; its census (`hlo_census.census_of`,
-    with the kernels by stage) and XLA's memory analysis."""
+    with the kernels by stage) and XLA's memory analysis. `autotune`: XLA's autotuning results
+    from a run on the device (`bash bench/gpu.sh ab` or `trainab` with AUTOTUNE_DUMP=1) to
+    compile with the GEMM configs the device chose instead of the heuristic's; XLA uses the
+    entries whose device string matches the target's (`bench/targets/`), untried so far."""
     device = target_device(target)
     low, stack = lowered(case, device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +167,10 @@ def census(case: Case, target: str = "h200", keep_dump: str | None = None) -> di
             os.makedirs(keep_dump, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f"{case.scenario}_{case.stack}_B{case.batch}_{case.tokens}_", dir=keep_dump)
         dump = tmp
-        compiled = low.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        if autotune:
+            options["xla_gpu_load_autotune_results_from"] = os.path.abspath(autotune)
+        compiled = low.compile(compiler_options=options)
         rows = hlo_census.census(dump, module="")
     if len(rows) != 1:
         raise RuntimeError(f"expected one optimized module in the dump, found {len(rows)}")
@@ -172,7 +178,7 @@ def census(case: Case, target: str = "h200", keep_dump: str | None = None) -> di
     row = rows[0]
     kernels = sum(v for k, v in row.get("thunks", {}).items() if k not in hlo_census.CONTAINERS)
     return {**row, **dataclasses.asdict(case), "scenario": f"deviceless_{case.scenario}", "target": target,
-            "layer_type": stack.layer_type, "jax": jax.__version__, "deviceless": True,
+            "autotune": autotune, "layer_type": stack.layer_type, "jax": jax.__version__, "deviceless": True,
             "launches": kernels, "launches_per_layer": kernels / case.layers,
             "critical_path_per_layer": row["critical_path"] / case.layers,
             "stages_per_layer": {k: v / case.layers for k, v in row.get("stages", {}).items()},
@@ -222,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
                     help="blocks of every decode step the kernel runs (as bench/stack.py's)")
     ap.add_argument("--target", choices=sorted(TARGETS), default="h200")
+    ap.add_argument("--autotune", default=None, metavar="TEXTPROTO",
+                    help="XLA's autotuning results from the device (gpu.sh AUTOTUNE_DUMP=1) to compile with")
     ap.add_argument("--keep-dump", default=None, help="keep XLA's dumps here (a folder a case)")
     ap.add_argument("--json", default=None, help="write the records here")
     return ap
@@ -238,7 +246,7 @@ def main(argv=None) -> int:
             for n in (int(t) for t in tokens.split(",")):
                 for d in dots:
                     case = Case(args.scenario, kind, batch, n, args.layers, args.size, d, args.finite_flag, kernels)
-                    rows.append(census(case, args.target, args.keep_dump))
+                    rows.append(census(case, args.target, args.keep_dump, args.autotune))
                     print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
     if args.json:

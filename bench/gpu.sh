@@ -25,7 +25,9 @@
 #   ab        bench/stack.py's decode stacks of the tree against the tree with files swapped in, one
 #             process per variant on one machine: ORDER (default "new old new"), AB_DIR (the files of
 #             "old" at their paths, default build/ab_old; any other tag T: build/ab_T), STACKS,
-#             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T)
+#             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T);
+#             AUTOTUNE_DUMP=1: XLA's autotuning results per process -> $OUT/autotune_<i>_<tag>.textproto
+#             (bench/deviceless.py --autotune compiles with them on a machine without the GPU)
 #   finite    the finite check's verdict by the step's flag (dsv4_jax.finite_flag): its tests with the
 #             CUDA handler, then the module call with each finite-check way against the jitted step
 #             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
@@ -172,6 +174,9 @@ ab() {
     extra_flags=$(eval echo "\${FLAGS_$tag:-}"); extra_args=$(eval echo "\${ARGS_$tag:-}")
     # XLA reads a non-empty XLA_FLAGS that does not start with "--" as a file name.
     xla_flags=$(echo ${XLA_FLAGS:-} $extra_flags)
+    if [ "${AUTOTUNE_DUMP:-0}" = 1 ]; then  # what XLA's autotuner chose (bench/deviceless.py --autotune)
+      xla_flags=$(echo $xla_flags --xla_gpu_dump_autotune_results_to="$OUT/autotune_${i}_$tag.textproto")
+    fi
     ( if [ -n "$xla_flags" ]; then export XLA_FLAGS="$xla_flags"; else unset XLA_FLAGS; fi
       timeout "${STACK_TIMEOUT:-120}" python3 bench/stack.py $extra_args --size flash --scenarios stack_decode \
         --stacks "${STACKS:-csa}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" \
