@@ -176,10 +176,10 @@ def census(case: Case, target: str = "h200", keep_dump: str | None = None, autot
         raise RuntimeError(f"expected one optimized module in the dump, found {len(rows)}")
     mem = compiled.memory_analysis()
     row = rows[0]
-    kernels = sum(v for k, v in row.get("thunks", {}).items() if k not in hlo_census.CONTAINERS)
+    launches = sum(v for k, v in row.get("thunks", {}).items() if k not in hlo_census.CONTAINERS)
     return {**row, **dataclasses.asdict(case), "scenario": f"deviceless_{case.scenario}", "target": target,
             "autotune": autotune, "layer_type": stack.layer_type, "jax": jax.__version__, "deviceless": True,
-            "launches": kernels, "launches_per_layer": kernels / case.layers,
+            "launches": launches, "launches_per_layer": launches / case.layers,
             "critical_path_per_layer": row["critical_path"] / case.layers,
             "stages_per_layer": {k: v / case.layers for k, v in row.get("stages", {}).items()},
             "temp_mib": mem.temp_size_in_bytes / 2**20 if mem else None}
