@@ -55,6 +55,7 @@ from dsv4_jax import native  # noqa: E402
 from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
 
 TARGETS = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h200.txtpb")}
+ATTACHED = "attached"  # target: the GPU of this machine
 SCENARIOS = ("decode", "prefill", "train")
 _INSTALL = ("install the CUDA plugin (no GPU needed) in a venv of its own: pip install "
             f"'jax-cuda13-plugin=={jax.__version__}' 'jax-cuda13-pjrt=={jax.__version__}', and start "
@@ -64,7 +65,15 @@ _INSTALL = ("install the CUDA plugin (no GPU needed) in a venv of its own: pip i
 
 @functools.cache
 def target_device(target: str = "h200"):
-    """A compile-only device of `target` (a key of TARGETS): programs compile for it, never run."""
+    """A compile-only device of `target` (a key of TARGETS): programs compile for it, never run.
+    "attached": this machine's own GPU (the census of the real thing, autotuned: on the H200, to
+    hold the deviceless census against it)."""
+    if target == ATTACHED:
+        try:
+            return jax.devices("gpu")[0]
+        except RuntimeError as err:
+            raise RuntimeError(f"--target {ATTACHED} compiles for this machine's GPU, and it has none ({err}); "
+                               "without one, compile for a described GPU: --target h200") from err
     from jax.experimental import topologies
 
     with open(TARGETS[target]) as f:
@@ -227,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the Pallas decode kernel for every decode shape it takes (as bench/stack.py's)")
     ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
                     help="blocks of every decode step the kernel runs (as bench/stack.py's)")
-    ap.add_argument("--target", choices=sorted(TARGETS), default="h200")
+    ap.add_argument("--target", choices=[*sorted(TARGETS), ATTACHED], default="h200",
+                    help="the GPU described in bench/targets/, or 'attached': this machine's own (no pretence)")
     ap.add_argument("--autotune", default=None, metavar="TEXTPROTO",
                     help="XLA's autotuning results from the device (gpu.sh AUTOTUNE_DUMP=1) to compile with")
     ap.add_argument("--keep-dump", default=None, help="keep XLA's dumps here (a folder a case)")

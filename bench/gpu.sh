@@ -28,6 +28,9 @@
 #             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T);
 #             AUTOTUNE_DUMP=1: XLA's autotuning results per process -> $OUT/autotune_<i>_<tag>.textproto
 #             (bench/deviceless.py --autotune compiles with them on a machine without the GPU)
+#   census    bench/deviceless.py --target attached: the launches of the decode stacks' programs as
+#             compiled here (autotuned), by stage and in a chain -> $OUT/census_attached.json (the CPU's
+#             deviceless census of the same cases is in bench/results/deviceless_census_*.json)
 #   finite    the finite check's verdict by the step's flag (dsv4_jax.finite_flag): its tests with the
 #             CUDA handler, then the module call with each finite-check way against the jitted step
 #             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
@@ -200,6 +203,11 @@ trainab() {
     echo "$i $tag rc=$?"; grep -v "^ *$" "$OUT/train_ab_${i}_$tag.log" | tail -8
   done
   ab_use new
+}
+
+census() {  # bench/deviceless.py's census of the H200's own (autotuned) programs, to hold the CPU's against
+  timeout "${CENSUS_TIMEOUT:-400}" python3 bench/deviceless.py --target attached --scenario decode \
+    --stacks csa,hca --batches 1,8,32 --json "$OUT/census_attached.json" 2>&1 | grep "^|" | tail -8
 }
 
 finite() {
