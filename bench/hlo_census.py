@@ -105,11 +105,13 @@ def critical_path(hlo_text: str) -> list[str]:
     overlap's concurrent command buffers), a step takes at least this chain's launches one after
     another. Returns the chain's instruction names, first to last."""
     entry = hlo_text[hlo_text.find("\nENTRY"):] if "\nENTRY" in hlo_text else hlo_text
-    depth, best_from = {}, {}
+    depth, best_from, launched = {}, {}, set()
     for name, opcode, operands in _ENTRY_INSTRUCTION.findall(entry):
         args = [a for a in re.findall(r"%([\w.\-]+)", operands) if a in depth]
         before = max(args, key=lambda a: depth[a], default=None)
-        depth[name] = (depth[before] if before else 0) + (opcode not in _NOT_LAUNCHED)
+        if opcode not in _NOT_LAUNCHED:
+            launched.add(name)
+        depth[name] = (depth[before] if before else 0) + (name in launched)
         best_from[name] = before
     if not depth:
         return []
@@ -117,7 +119,6 @@ def critical_path(hlo_text: str) -> list[str]:
     while name is not None:
         chain.append(name)
         name = best_from[name]
-    launched = {n for n, op, _ in _ENTRY_INSTRUCTION.findall(entry) if op not in _NOT_LAUNCHED}
     return [n for n in reversed(chain) if n in launched]
 
 

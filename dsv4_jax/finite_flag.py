@@ -53,7 +53,7 @@ def flagged(hidden_states):
     """Inside the step, at its start: (`hidden_states` with a non-finite input zeroed, the flag).
     The verdict ``all(isfinite(hidden_states))`` goes to the host (`native.finite_flag`) beside
     the step, not before it: the zeroing takes the reduction's verdict itself, so the handler is
-    not a link of the step's chain of launches (one launch, the reduction, instead of three:
+    not a link of the step's chain of launches (one launch more, the reduction, not two:
     bench/RESULTS.md "A step's launches"), and nothing downstream (the native selection, a host
     break) sees a NaN of a call whose results the host will drop. The step's output must take
     the flag (`joined`), which keeps the handler in the program."""
