@@ -45,12 +45,15 @@ def stack(records: list[dict]) -> Iterator[Row]:
                    f"{r['per_layer_ms']:.3f} ms a layer ({r['ratio_to_floor']:.2f}x the FLOP floor)", "")
     for r in records:
         if r.get("scenario") == "call_overhead":
+            default = r.get("finite_verdict_auto", "guard")  # before the key: the guard
+            guard = r.get("module_call_guard_ms", r["module_call_ms"] if default == "guard" else None)
+            ways = ([f"the step's flag {r['module_call_flag_ms']:.3f}"] if r.get("flag_words") else []) + (
+                [f"the guard program {guard:.3f}"] if guard is not None else [])
             yield (f"module call, {r['size']} {r['layer_type']} decode, B = {r['batch']}",
-                   f"jitted step {r['jit_step_ms']:.3f} ms; the call: check_finite=True "
-                   f"{r['module_call_ms']:.3f}, \"host\" {r['module_call_host_check_ms']:.3f}, False "
-                   f"{r['module_call_no_check_ms']:.3f} ms"
-                   + (f", the step's flag {r['module_call_flag_ms']:.3f}" if r.get("flag_words") else ""),
-                   "the default check reads a device verdict (a sync)")
+                   f"jitted step {r['jit_step_ms']:.3f} ms; the call with check_finite=True by "
+                   + ", ".join(ways) + f"; \"host\" {r['module_call_host_check_ms']:.3f}, False "
+                   f"{r['module_call_no_check_ms']:.3f} ms",
+                   f"check_finite=True's way by default when recorded: the {default}")
 
 
 def long_prefill(records: list[dict]) -> Iterator[Row]:
@@ -149,6 +152,10 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "h200_stack_grid_same_buffers_2026-12-02.json",
      "python3 bench/stack.py --size flash --same-buffers all --call-overhead --call-overhead-size flash",
      H200, "d88f675", stack),
+    ("The module call's finite check, each way (flash CSA decode, B = 1)",
+     "h200_call_overhead_2026-12-05_s50.json",
+     "python3 bench/stack.py --call-overhead-only --call-overhead-size flash --steps 200 --repeats 5",
+     H200, "d97e074", stack),
     ("The mixed stack's decode with the usual steps (new positions, new output each step)",
      "h200_stack_grid_mixed_fresh_2026-12-02.json",
      "python3 bench/stack.py --size flash --stacks mixed --scenarios stack_decode",

@@ -511,10 +511,10 @@ def profile_items(spec: str | None) -> list:
 
 @contextlib.contextmanager
 def _finite_verdict(mode):
-    """`finite_flag.VERDICT` for the calls of `call_overhead`'s layer `mode`: "flag" for its
-    "flag" layer, as it was for the others (restored after)."""
+    """`finite_flag.VERDICT` for the calls of `call_overhead`'s layer `mode`: "flag" and "guard"
+    for its layers of those ways, as it was for the others (restored after)."""
     before = finite_flag.VERDICT
-    finite_flag.VERDICT = "flag" if mode == "flag" else before
+    finite_flag.VERDICT = mode if mode in ("flag", "guard") else before
     try:
         yield
     finally:
@@ -533,10 +533,11 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     the last step's outputs from the jitted step's. The layers keep the module's default,
     ``donate_cache=False`` (the jitted step then does not donate either): a donating layer
     checks device inputs before dispatch (`validation.finite_deferred`), a separate round trip.
-    A fourth layer checks with the verdict written by the step itself (``finite_flag.VERDICT =
-    "flag"``, `dsv4_jax.finite_flag`): ``module_call_flag_ms``, ``flag_words`` the words it read
-    (0 where the input is checked on the host, as on a CPU, or the native extension is missing);
-    ``finite_verdict_auto``: what the default (``module_call_ms``) uses for device inputs."""
+    Two more layers check with each way of the verdict (`dsv4_jax.finite_flag`): written by the
+    step itself (``finite_flag.VERDICT = "flag"``): ``module_call_flag_ms``, ``flag_words`` the
+    words it read (0 where the input is checked on the host, as on a CPU, or the native
+    extension is missing); by the program before the step (``"guard"``): ``module_call_guard_ms``;
+    ``finite_verdict_auto``: which of them the default (``module_call_ms``) uses for device inputs."""
     cfg = plan_mod.config_for(size)
     layer_idx = plan_mod.layer_index(cfg, "csa")
     batch, context = 1, 64
@@ -544,16 +545,16 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     xs = _hidden(cfg, batch, 1, jnp.dtype(dtype), seed + 1)
     max_seq_len = _round_up(context + repeats * steps + 8)
     layers, caches, times = {}, {}, {}
-    for mode in (True, "host", False, "flag"):
+    for mode in (True, "host", False, "flag", "guard"):
         attn = layers[mode] = measure.build_layer(cfg, layer_idx, dtype, seed)
         attn.break_mode, attn.donate_cache, times[mode] = "none", False, []
-        attn.check_finite = True if mode == "flag" else mode
+        attn.check_finite = True if mode in ("flag", "guard") else mode
         with _finite_verdict(mode):
             _, caches[mode] = attn(x, np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
                                    attn.init_cache(batch, max_seq_len))
-    with _finite_verdict("flag"):  # the flag's slot and its last word, where the prefill used it
+    with _finite_verdict("flag"):  # the flag's slot, where the prefill used it
         slot = finite_flag.slot_for(xs)
-    first_word = None if slot is None else slot.last
+    flag_words = 0  # the words the "flag" layer's calls read (the default layer may share the slot)
     attn = layers[True]
     spec = attn.step_spec()
     step = step_mod.step_for(spec, attn.donate_cache)
@@ -563,23 +564,26 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     for i in range(repeats * steps):
         p = np.full((batch, 1), context + i, np.int32)
         for mode, layer in layers.items():
+            word = None if slot is None else slot.last
             with _finite_verdict(mode):
                 t0 = time.perf_counter()
                 outs[mode], caches[mode] = layer(xs, p, caches[mode])
                 jax.block_until_ready(outs[mode])
                 times[mode].append(time.perf_counter() - t0)
+            if mode == "flag" and word is not None and slot.last is not None:
+                flag_words += slot.last - word
         t0 = time.perf_counter()
         out, raw_cache, _ = step(weights, raw_cache, xs, p, spec=spec)
         jax.block_until_ready(out)
         raw_t.append(time.perf_counter() - t0)
     module_ms, raw_ms = (1e3 * float(np.median(t)) for t in (times[True], raw_t))
-    flag_words = 0 if first_word is None or slot.last is None else slot.last - first_word
     diff = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - out.astype(jnp.float32)))) for o in outs.values())
     return {"scenario": "call_overhead", "size": size, "layer_type": "CSA", "batch": batch, "context_len": context,
             "module_call_ms": module_ms, "jit_step_ms": raw_ms, "overhead_ms": module_ms - raw_ms,
             "module_call_host_check_ms": 1e3 * float(np.median(times["host"])),
             "module_call_no_check_ms": 1e3 * float(np.median(times[False])),
             "module_call_flag_ms": 1e3 * float(np.median(times["flag"])), "flag_words": int(flag_words),
+            "module_call_guard_ms": 1e3 * float(np.median(times["guard"])),
             "finite_verdict_auto": finite_flag.AUTO,
             "ratio": module_ms / raw_ms, "samples": len(raw_t), "max_abs_diff": diff, "donate_cache": False}
 
@@ -760,7 +764,10 @@ def markdown(records: list, meta: dict) -> str:
                           f"False {r['module_call_no_check_ms']:.3f} ms")
                        + ("" if "module_call_flag_ms" not in r else
                           f"; the verdict by the step's flag {r['module_call_flag_ms']:.3f} ms "
-                          f"({r['flag_words']} words read)"))
+                          f"({r['flag_words']} words read)")
+                       + ("" if "module_call_guard_ms" not in r else
+                          f", by the guard program {r['module_call_guard_ms']:.3f} ms; the default: "
+                          f"the {r['finite_verdict_auto']}"))
     if meta.get("profiles"):
         from bench import kernel_profile
 

@@ -19,7 +19,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv4_jax import DeepseekV4Attention, DeepseekV4Config, attention, breaks, call_path, sharding, validation
+from dsv4_jax import (
+    DeepseekV4Attention,
+    DeepseekV4Config,
+    attention,
+    breaks,
+    call_path,
+    finite_flag,
+    sharding,
+    validation,
+)
 from dsv4_jax.config import CSA
 from dsv4_jax.step import AttentionWeights, attention_step, compiled_steps, step_function
 
@@ -473,7 +482,10 @@ def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkey
     (no reduction and round trip of its own before dispatch): here the CPU's arrays are taken
     for device-resident ones. Same outputs and caches as the check before dispatch; a NaN input
     raises the same error, the cache stays the caller's and usable; no step is compiled for
-    it; a donating layer keeps the check before dispatch."""
+    it; a donating layer keeps the check before dispatch. The verdict's way here is the guard
+    (`finite_flag.VERDICT`); the step's own flag, the default where the native extension is
+    built: tests/test_finite_flag.py."""
+    monkeypatch.setattr(finite_flag, "VERDICT", "guard")
     ran, kinds = [], set()
     real = call_path._FINITE_GUARD
 
