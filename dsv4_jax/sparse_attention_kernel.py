@@ -65,7 +65,8 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #   results/h200_decode_kernel_sweep_2026-12-01_s8.json) CSA B = 32 fell to 45.7 (bk 64, bh 64,
 #   2 stages) against 62.6 for the XLA op measured there, which gathers its window; inside the
 #   stack the XLA path reads the window in place and costs ~42 us a layer, so the batch entry
-#   waits for an in-stack A/B (`bench/stack.py --decode-kernel --decode-blocks 64,64,8,2`);
+#   waited for an in-stack A/B (`bench/stack.py --decode-kernel --decode-blocks 64,64,8,2`:
+#   session 50, below);
 #   HCA B = 32 stayed level (36.4 against 38.1);
 #   prefill of 4096 tokens (results/h200_prefill_kernel_blocks3_2026-12-01.json):
 #     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5473   HCA: 1231 (same) against 2532
@@ -87,18 +88,30 @@ NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gather
 #   the kernel from MIN_ENTRIES compressed entries in the cache (1024: a 128k-token cache at
 #   HCA's ratio 128), skipping the entry blocks past each row's visible ones (the cost then
 #   follows the context, not the cache's size).
+#   CSA decode of a batch (session 50, in-stack A/Bs on one machine, ms a layer, the XLA path in
+#   the processes before and after, results/h200_csa_decode_kernel_ab_2026-12-05_s50_*.json):
+#   the kernel with all 64 heads a program and 64-key blocks in 2 stages, (64, 64, 8, 2), at
+#   B = 32 2k 0.152 against 0.168 / 0.168, 16k 0.172 / 0.171 / 0.175 against 0.188 / 0.190 /
+#   0.191 / 0.187, 64k 0.218 / 0.221 against 0.256 / 0.234; at B = 8 level or a little slower
+#   (2k 0.136 against 0.130 / 0.135, 16k 0.150 / 0.146 / 0.141 against 0.143 / 0.142 / 0.140 /
+#   0.141, 64k 0.169 / 0.169 against 0.169 / 0.168 / 0.169). (64, 32, 8, 1) was close behind at
+#   B = 32 (0.154 at 2k, 0.177 at 16k). So the kernel from MIN_ROWS rows (16: between the 8
+#   measured level and the 32 measured faster; nothing between was run).
 # Sliding layers (window only) were not measured: the XLA path.
 CUDA_DEFAULT_BLOCKS = {
     ("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1),
-    ("hca", "decode", None): (64, 64, 8, 2, True),
+    ("hca", "decode", None): (64, 64, 8, 2, True), ("csa", "decode", None): (64, 64, 8, 2),
     ("csa", "prefill", None): (64, 64, 8, 3, True), ("hca", "prefill", None): (64, 64, 8, 3, True),
 }
 PREFILL_MIN_ROWS = 256
 # Table entries that apply only from this many compressed entries in the cache (entries [B, T, D]'s T).
 MIN_ENTRIES = {("hca", "decode", None): 1024}
+# Table entries that apply only from this many rows (B * S).
+MIN_ROWS = {("csa", "decode", None): 16}
 # Table entries for 2-byte compute dtypes only: in float32 their blocks (64 keys x 64 heads of
 # 512) need more shared memory than the H200's 227 KiB (decode (64, 64, 8, 2): 273 KiB requested).
-TWO_BYTE_ONLY = {("csa", "prefill", None), ("hca", "prefill", None), ("hca", "decode", None)}
+TWO_BYTE_ONLY = {("csa", "prefill", None), ("hca", "prefill", None), ("hca", "decode", None),
+                 ("csa", "decode", None)}
 
 # The blocks a forced kernel (a `KernelPlan` stage "pallas" or "interpret" without blocks of its
 # own) uses where the table has none; float32 prefill: blocks whose shared memory fits (96 KiB
@@ -122,7 +135,7 @@ def default_blocks(kind: str, batch: int, phase: str = "decode", queries: int = 
         return None
     key = (kind, phase, batch) if (kind, phase, batch) in CUDA_DEFAULT_BLOCKS else (kind, phase, None)
     chosen = CUDA_DEFAULT_BLOCKS.get(key)
-    if chosen is None or entries < MIN_ENTRIES.get(key, 0):
+    if chosen is None or entries < MIN_ENTRIES.get(key, 0) or batch * queries < MIN_ROWS.get(key, 0):
         return None
     if key in TWO_BYTE_ONLY and jnp.dtype(dtype).itemsize > 2:
         return None

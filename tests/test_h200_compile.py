@@ -69,18 +69,25 @@ def test_a_prefill_step_compiles_with_every_kernel(stack):
     assert row["triton_calls"] >= (3 if stack == "csa" else 2)
 
 
-@pytest.mark.parametrize("dots", ["split", "stacked"])
-def test_a_training_step_compiles_with_the_backward_kernel(dots):
-    """value_and_grad of a CSA layer: the attention kernel's backward in both dot forms, the
-    norm kernels' backward."""
+def test_a_training_step_compiles_with_the_backward_kernel():
+    """value_and_grad of a CSA layer: the attention kernel's backward, the norm kernels' backward."""
     forward = _census("prefill", "csa", 1, 256, kernels=EVERY_KERNEL)
-    row = _census("train", "csa", 1, 256, kernels=EVERY_KERNEL, backward_dots=dots)
+    row = _census("train", "csa", 1, 256, kernels=EVERY_KERNEL)
     assert any(stage.endswith("(bwd)") for stage in row["stages"])
     assert row["triton_calls"] > forward["triton_calls"]  # the backward kernels
 
 
-@pytest.mark.parametrize("dots", ["split", "stacked"])
-def test_the_backward_kernel_compiles_at_v4_flash_size(dots):
+def test_the_backward_kernel_compiles_at_v4_flash_size():
     """V4-Flash's 64 heads x 512: the sizes whose blocks fill the H200's shared memory."""
-    row = _census("train", "csa", 1, 512, size="flash", kernels=EVERY_KERNEL, backward_dots=dots)
+    row = _census("train", "csa", 1, 512, size="flash", kernels=EVERY_KERNEL)
     assert row["triton_calls"] > 0 and any(stage.endswith("(bwd)") for stage in row["stages"])
+
+
+@pytest.mark.parametrize("stack, batch", [("csa", 1), ("csa", 16), ("hca", 1)])
+def test_the_default_decode_blocks_compile_at_v4_flash_size(stack, batch):
+    """The default plan's decode kernels at V4-Flash size, with the blocks of
+    `sparse_attention_kernel.CUDA_DEFAULT_BLOCKS` where the kernel is the default (one-row
+    decode; CSA batches from `MIN_ROWS` rows: 64 heads x 64 keys a program in bf16)."""
+    row = _census("decode", stack, batch, 256, size="flash")
+    assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
+    assert row["triton_calls"] >= (3 if stack == "csa" else 2)  # attention + one pooling per compressor

@@ -132,7 +132,12 @@ def test_the_cuda_default_table():
     # Where the kernel measured faster than the XLA path on the H200 (see CUDA_DEFAULT_BLOCKS).
     assert sak.default_blocks("csa", 1) == {"block_keys": 16, "block_heads": 32, "num_warps": 8, "num_stages": 1}
     assert sak.default_blocks("hca", 1) == {"block_keys": 32, "block_heads": 16, "num_warps": 8, "num_stages": 1}
-    assert sak.default_blocks("csa", 32) is None and sak.default_blocks("hca", 8) is None
+    assert sak.default_blocks("hca", 8) is None
+    # CSA decode of a batch: the kernel from MIN_ROWS rows (measured level at 8, faster at 32)
+    rows = sak.MIN_ROWS[("csa", "decode", None)]
+    assert sak.default_blocks("csa", rows - 1) is None
+    assert sak.default_blocks("csa", 32) == {"block_keys": 64, "block_heads": 64, "num_warps": 8, "num_stages": 2}
+    assert sak.default_blocks("csa", 32, dtype=jnp.float32) is None  # its shared memory: bf16 only
     # HCA decode of a batch: the kernel over caches of at least MIN_ENTRIES entries (128k tokens)
     long = sak.MIN_ENTRIES[("hca", "decode", None)]
     assert sak.default_blocks("hca", 8, entries=long - 1) is None
@@ -160,7 +165,8 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     """Each CUDA default: `sparse_attention` hands its blocks to the kernel for a bf16 call, and
     the kernel with those blocks equals the XLA path in float32 (interpret mode, which has no
     shared-memory limit), at a realistic window (128) and head count (32)."""
-    b, s = batch or 2, 1 if phase == "decode" else sak.PREFILL_MIN_ROWS // 2
+    b = batch or max(2, sak.MIN_ROWS.get((kind, phase, batch), 0))
+    s = 1 if phase == "decode" else sak.PREFILL_MIN_ROWS // 2
     t = max(300, sak.MIN_ENTRIES.get((kind, phase, batch), 0))  # entries: as many as the entry needs
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=32, d=32, w=128, t=t, k=64, dtype=jnp.float32,
                                                 starts=[1000] * b, s=s)
@@ -257,7 +263,7 @@ def test_golden_calls_through_the_kernel(small, layer, monkeypatch):
 FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, each CUDA default's, and
     # the forced prefill blocks skipping the masked entry blocks
     ("decode", 1, 1, "forced"), ("decode", 32, 1, "forced"), ("decode", 1, 1, "cuda_default"),
-    ("decode", 8, 1, "cuda_default"),
+    ("decode", 8, 1, "cuda_default"), ("decode", 32, 1, "cuda_default"),
     ("prefill", 2, 128, "forced"), ("prefill", 2, 128, "cuda_default"), ("prefill", 2, 128, "skip"),
 ]
 
