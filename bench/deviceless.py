@@ -3,8 +3,7 @@
     python -m venv .venv-deviceless
     .venv-deviceless/bin/pip install -e . "jax-cuda13-plugin==$JAX" "jax-cuda13-pjrt==$JAX"  # $JAX: jax's version
     .venv-deviceless/bin/python bench/deviceless.py --scenario decode --stacks csa,hca --batches 1,32
-    .venv-deviceless/bin/python bench/deviceless.py --scenario train --stacks csa --batches 1 --tokens 4096 \
-        --backward-dots split,stacked
+    .venv-deviceless/bin/python bench/deviceless.py --scenario train --stacks csa --batches 1 --tokens 4096
 
 XLA compiles for a GPU it does not have from a description of it (``GpuTargetConfigProto``:
 `bench/targets/h200.txtpb`, from openxla/xla's specs) through the CUDA plugin's compile-only
@@ -116,7 +115,6 @@ class Case:
     tokens: int  # decode: the context; prefill and train: the tokens a row
     layers: int = 4
     size: str = "flash"
-    backward_dots: str = "auto"  # train: the plan's backward_dots
     finite_flag: bool = False  # decode, prefill: the steps compute the module call's finite flag
     kernels: Any = "auto"  # the layers' `kernels=` (a name or a `KernelPlan`)
 
@@ -128,8 +126,6 @@ def lowered(case: Case, device):
     hidden = jax.ShapeDtypeStruct((case.batch, 1 if case.scenario == "decode" else case.tokens, cfg.hidden_size),
                                   dtype, sharding=jax.sharding.SingleDeviceSharding(device))
     plan = as_kernel_plan(case.kernels)
-    if case.backward_dots != "auto":
-        plan = dataclasses.replace(plan, backward_dots=case.backward_dots)
     with pretend_gpu():
         if case.scenario == "train":
             from bench import train as train_mod
@@ -201,8 +197,7 @@ def markdown(rows: list[dict]) -> str:
     head = ["case", "launches a layer", "in a chain", "graphs", *stages]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        extra = f", {r['backward_dots']} dots" if r["scenario"] == "deviceless_train" else ""
-        extra += ", finite flag" if r.get("finite_flag") else ""
+        extra = ", finite flag" if r.get("finite_flag") else ""
         plan = r.get("kernels")
         if isinstance(plan, dict):  # a forced plan: what differs from the default
             extra += ", " + ", ".join(f"{k} {tuple(v) if isinstance(v, list) else v}" for k, v in plan.items()
@@ -229,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode: contexts (default 16384); prefill, train: tokens a row (default 4096)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--size", default="flash")
-    ap.add_argument("--backward-dots", default="auto", help="train: the plans' backward_dots (comma-separated)")
     ap.add_argument("--finite-flag", action="store_true",
                     help="decode, prefill: the steps compute the module call's finite flag (dsv4_jax.finite_flag)")
     ap.add_argument("--decode-kernel", action="store_true",
@@ -248,16 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tokens = args.tokens or ("16384" if args.scenario == "decode" else "4096")
-    dots = args.backward_dots.split(",") if args.scenario == "train" else ["auto"]
     kernels = stack_mod.kernel_plan(args) if args.decode_kernel or args.decode_blocks else "auto"
     rows = []
     for kind in args.stacks.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for n in (int(t) for t in tokens.split(",")):
-                for d in dots:
-                    case = Case(args.scenario, kind, batch, n, args.layers, args.size, d, args.finite_flag, kernels)
-                    rows.append(census(case, args.target, args.keep_dump, args.autotune))
-                    print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+                case = Case(args.scenario, kind, batch, n, args.layers, args.size, args.finite_flag, kernels)
+                rows.append(census(case, args.target, args.keep_dump, args.autotune))
+                print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:

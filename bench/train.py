@@ -229,13 +229,11 @@ def first_line(err: BaseException) -> str:
 
 
 def kernel_plan(args) -> dsv4_jax.KernelPlan:
-    """--kernels (a name) with --attention-backward, --backward-dots, --query-norm and
+    """--kernels (a name) with --attention-backward, --query-norm and
     bench/stack.py's kernel A/B switches."""
     plan = stack_mod.kernel_plan(args, args.kernels)
     if args.attention_backward:
         plan = dataclasses.replace(plan, attention_backward=args.attention_backward)
-    if getattr(args, "backward_dots", None):
-        plan = dataclasses.replace(plan, backward_dots=args.backward_dots)
     if args.query_norm:
         plan = dataclasses.replace(plan, query_norm=args.query_norm)
     return plan
@@ -353,8 +351,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", default="auto", choices=dsv4_jax.KERNELS, help="the layers' kernels (default auto)")
     ap.add_argument("--attention-backward", default=None, choices=("auto", "xla"),
                     help="the sparse attention kernel's gradient: its backward kernel (auto) or the XLA VJP")
-    ap.add_argument("--backward-dots", default=None, choices=("auto", "split", "stacked"),
-                    help="the backward kernel's dots a key block: five (split, the default) or three (stacked)")
     ap.add_argument("--query-norm", default=None, choices=("auto", "pallas", "xla"),
                     help="the queries' per-head norm: its Pallas kernels (auto: for prefill) or XLA")
     for flag in ("decode-kernel", "prefill-kernel", "compress-kernel"):  # bench/stack.py's A/B switches

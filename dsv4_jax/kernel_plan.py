@@ -79,10 +79,6 @@ class KernelPlan:
                        "auto" its backward kernel (`sparse_attention_backward`, where the Triton
                        kernel takes the shapes; interpret mode where the forward is), "xla" the
                        XLA reference's VJP
-    backward_dots:     "auto" | "split" | "stacked"  the backward kernel's dots a key block
-                       (A/B runs): "split" five dots of the query rows, "stacked" three on the
-                       queries' and the cotangent's rows stacked (`sparse_attention_backward`);
-                       "auto" is "split", the measured one (not yet measured against "stacked")
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
@@ -115,7 +111,6 @@ class KernelPlan:
     compress: str = "auto"
     query_norm: str = "auto"
     attention_backward: str = "auto"
-    backward_dots: str = "auto"
     decode_blocks: tuple[int, ...] | None = None
     prefill_blocks: tuple[int, ...] | None = None
     select_segments: int | None = None
@@ -127,7 +122,6 @@ class KernelPlan:
         for stage in PALLAS_STAGES:
             check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
         check_choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
-        check_choice("kernels.backward_dots", self.backward_dots, ("auto", "split", "stacked"))
         check_choice("kernels.select_keys", self.select_keys, ("auto", "stored", "dequantized"))
         check_choice("kernels.select_scores", self.select_scores, SCORES_CHOICES)
         for name in ("decode_blocks", "prefill_blocks"):

@@ -160,8 +160,7 @@ def sparse_attention(
         chosen = _kernel_blocks(q, entries, picks, kernels)
         if chosen is not None:
             static = None if rotation is None else (rotation.freqs, float(rotation.scale))
-            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static,
-                                stacked=kernels.backward_dots == "stacked")
+            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static)
             positions = None if rotation is None else rotation.positions
             return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible, positions))
     out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
@@ -199,8 +198,7 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
     return blocks, False
 
 
-def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None,
-               stacked: bool = False):
+def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None):
     """``f(q, pool, window_idx, sinks, entries, picks, visible, positions) -> o`` by the kernel,
     with a gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where
     the Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels
@@ -209,8 +207,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     `rotation`: None, or (freqs, scale) of the output's de-rotation at `positions` (an
     `OutputRotation`'s static part), applied to the kernel's output in place. The backward
     kernel then gets the de-rotated output as its residual, the cotangent rotated back, and the
-    rotated channels' share of its `delta` (do' . o', computed here from their slices).
-    `stacked`: the backward kernel's three-dot form (the plan's ``backward_dots``)."""
+    rotated channels' share of its `delta` (do' . o', computed here from their slices)."""
 
     def on_platform(kernel, default):
         if interpret:
@@ -268,7 +265,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
-                interpret=interpret, stacked=stacked, **bwd_blocks, **extra)
+                interpret=interpret, **bwd_blocks, **extra)
 
         def reference_grads(*a):
             dq, dpool, _, dsinks, dentries, *_ = reference_vjp(composed, a[:8], a[-1])

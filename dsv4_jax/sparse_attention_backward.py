@@ -20,11 +20,11 @@ by atomic adds:
       dk   = (ds * scale) q + p do                             [bk, D], atomically added at idx
     the sink:  dsink = -sum_rows exp(sink - lse) * delta        (an XLA reduction outside)
 
-Five dots a key block (q k, do k, ds k, ds q, p do), each with bh = 32 rows. `stacked=True`
-computes the same with three, on the rows of q and do stacked once per program, x = [q; do]
-[2bh, D]: x k -> [s; dp] [2bh, bk] (one dot of 2bh = 64 rows, the M that Hopper's wgmma
-takes), ds k, and [ds * scale; p]^T x -> dk (one dot over 2bh). The stacking and the split
-are Triton joins and splits of register tiles; only the order of float32 sums differs.
+Five dots a key block (q k, do k, ds k, ds q, p do), each with bh = 32 rows. A three-dot form
+on the rows of q and do stacked once per program (x = [q; do], x k -> [s; dp] with 2bh = 64
+rows, the M of Hopper's wgmma, and [ds * scale; p]^T x -> dk) computed the same gradients but
+made the H200's training step 1.5-1.9x slower (session 50, bench/RESULTS.md "Training"); it
+was removed (git history: session 48's commits).
 
 `delta` is the kernel's own (it loads the tile of do anyway): a separate pass over o and do
 cost 0.15 ms a layer of an HCA 4k training step on the H200. Where the caller holds the output
@@ -90,22 +90,8 @@ def _row_of(i, rows: int, stretches: int):
     return (i % stretches) * (rows // stretches) + i // stretches
 
 
-def _stack_rows(a, b):
-    """[n, m], [n, m] -> [2n, m]: a's rows, then b's (a join on a new last axis, a transpose and
-    a reshape: the forms Pallas' Triton lowering takes; it has no concatenate of rows)."""
-    n, m = a.shape
-    return jnp.transpose(jnp.stack([a, b], axis=-1), (2, 0, 1)).reshape(2 * n, m)
-
-
-def _split_rows(x):
-    """[2n, m] -> ([n, m], [n, m]): the inverse of `_stack_rows`."""
-    top, bottom = jnp.split(x, 2, axis=0)
-    return top, bottom
-
-
 def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
-                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int, rows: int, stretches: int,
-                stacked: bool):
+                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int, rows: int, stretches: int):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref, eblocks_ref = (refs.pop(0), refs.pop(0)) if n_entries else (None, None)
@@ -135,24 +121,16 @@ def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_wi
     def dot(a, b, contract):
         return jax.lax.dot_general(a, b, (contract, ((), ())), precision=exact, preferred_element_type=jnp.float32)
 
-    x = _stack_rows(q, do) if stacked else None  # [2bh, D]
-
     def key_block(src_ref, idx_ref, grad_ref, trash, blk, dq):
         idx = idx_ref[r, pl.ds(blk * block_keys, block_keys)]  # [bk]
         k = src_ref[src, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D]
-        if stacked:
-            logits, dp = _split_rows(dot(x, k, ((1,), (1,))))  # [bh, bk] each
-        else:
-            logits, dp = dot(q, k, ((1,), (1,))), dot(do, k, ((1,), (1,)))
+        logits, dp = dot(q, k, ((1,), (1,))), dot(do, k, ((1,), (1,)))
         s = (logits.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
         p = jnp.where((idx >= 0)[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [bh, bk]
         ds = p * (dp - delta[:, None])
         ds_scaled = (ds * scale).astype(dtype)
         dq = dq + dot(ds_scaled, k, ((1,), (0,)))
-        if stacked:
-            dk = dot(_stack_rows(ds_scaled, p.astype(dtype)), x, ((0,), (0,)))  # [bk, D]
-        else:
-            dk = dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
+        dk = dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
         # Keys a program does not have (-1) add into a trash row past the sources' rows.
         rows = jnp.broadcast_to(jnp.where(idx >= 0, idx, trash)[:, None], dk.shape)
         _atomic_add(grad_ref, (src, rows, jnp.broadcast_to(cols, dk.shape)), dk, relaxed)
@@ -183,7 +161,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                               num_warps: int = NUM_WARPS, num_stages: int | None = None, relaxed: bool = True,
                               rotated: int = 0, delta_rotated: Array | None = None,
-                              row_stretches_most: int = ROW_STRETCHES, stacked: bool = False):
+                              row_stretches_most: int = ROW_STRETCHES):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -197,8 +175,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     `relaxed`: the key gradients' atomic adds in relaxed memory order (`relaxed_atomics`; False:
     Pallas' acquire-release `atomic_add`, twice the time on the H200). `num_stages`: None, by
     q's dtype (`NUM_STAGES`). `row_stretches_most`: the launch order's spread (`ROW_STRETCHES`;
-    1 launches the rows in order). `stacked`: three dots a key block instead of five (the module
-    docstring; the plan's ``backward_dots``).
+    1 launches the rows in order).
     """
     b, s, h, d = q.shape
     rows = b * s
@@ -229,8 +206,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     kernel = functools.partial(_bwd_kernel, scale=d ** -0.5, block_keys=block_keys, rows_per_source=s,
                                n_window=widx.shape[1] // block_keys, n_entries=n_entries, dtype=dtype,
                                trash_pool=pool.shape[1], trash_entries=0 if eidx is None else entries.shape[1],
-                               relaxed=relaxed, rotated=rotated, rows=rows, stretches=stretches,
-                               stacked=stacked)
+                               relaxed=relaxed, rotated=rotated, rows=rows, stretches=stretches)
     whole = pl.no_block_spec
     per_head = pl.BlockSpec((None, bh, d), lambda i, g: (_row_of(i, rows, stretches), g, 0))
     per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (_row_of(i, rows, stretches), g))

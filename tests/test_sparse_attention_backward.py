@@ -82,67 +82,13 @@ def test_backward_kernel_in_spread_launch_order_equals_the_xla_vjp(kind):
     assert_close(got, jax.jit(xla_vjp)(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-def test_backward_kernel_with_stacked_dots_equals_the_xla_vjp(kind):
-    """``stacked=True``: three dots a key block on the rows of q and do stacked (the plan's
-    ``backward_dots="stacked"``), the same cotangents; two head blocks of 2 rows each."""
-    q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32, s=5)
-    do = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.float32)
-    blocks = dict(block_keys=4, block_heads=2, stacked=True)
-    got = jax.jit(functools.partial(kernel_vjp, interpret=True, **blocks))(q, pool, widx, sinks, kwargs, do)
-    assert_close(got, jax.jit(xla_vjp)(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
-
-
-def _dots(jaxpr) -> int:
-    """dot_generals in a jaxpr and every jaxpr inside it (loop bodies, the kernel's)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "dot_general"
-        for sub in _params_jaxprs(eqn.params):
-            count += _dots(sub)
-    return count
-
-
-def _params_jaxprs(params):
-    """The jaxprs among an equation's parameters (a kernel's, a loop's body and condition)."""
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                yield v
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                yield v.jaxpr
-
-
-def test_the_stacked_dots_lower_to_three_dots_a_key_block():
-    """The kernel's key loop has five dots in the split form and three in the stacked one, and
-    the stacked program lowers for CUDA on any machine (the joins and splits of its rows are
-    forms Pallas' Triton lowering takes)."""
-    q, pool, widx, sinks, kwargs = query_inputs("sliding", b=1, h=32, d=64, w=16, t=16, k=16,
-                                                dtype=jnp.bfloat16, s=4)
-    lse = jnp.zeros(q.shape[:3], jnp.float32)
-
-    def backward(stacked):
-        return jax.jit(lambda q, pool, lse: sab.sparse_attention_backward(
-            q, pool, widx, sinks, q, lse, q, **kwargs, block_keys=16, block_heads=32, stacked=stacked))
-
-    counts = [_dots(jax.make_jaxpr(backward(stacked))(q, pool, lse).jaxpr) for stacked in (False, True)]
-    assert counts == [5, 3]  # the sliding window's key loop: the only dots of the program
-    try:
-        text = backward(True).trace(q, pool, lse).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # a jaxlib that cannot lower Pallas for CUDA here
-        pytest.skip(f"no CUDA lowering of Pallas on this machine: {type(e).__name__}: {e}")
-    assert "xla.gpu.triton" in text
-
-
 def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
-    """`KernelPlan.attention_backward`: "auto" (the backward kernel, with its split or stacked
-    dots: ``backward_dots``) and "xla" (the reference's VJP) give the same gradients of
-    `sparse_attention` with the forward kernel."""
+    """`KernelPlan.attention_backward`: "auto" (the backward kernel) and "xla" (the reference's
+    VJP) give the same gradients of `sparse_attention` with the forward kernel."""
     q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=20, k=6, dtype=jnp.float32, s=7)
 
-    def grads(backward, dots="auto"):
-        plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1), attention_backward=backward,
-                          backward_dots=dots)
+    def grads(backward):
+        plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1), attention_backward=backward)
 
         def loss(q, pool, sinks, entries):
             o = sa.sparse_attention(q, pool, widx, sinks, **dict(kwargs, entries=entries), kernels=plan,
@@ -154,10 +100,6 @@ def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
 
     want = grads("xla")
     assert_close(grads("auto"), want, rtol=1e-5)
-    assert_close(grads("auto", "stacked"), want, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"kernels.backward_dots: expected one of \('auto', 'split', 'stacked'\), "
-                                         r"got 'three'"):
-        KernelPlan(backward_dots="three")
 
 
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
@@ -212,20 +154,18 @@ def test_the_key_gradients_add_with_relaxed_atomics_in_the_triton_program():
 
 @pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-@pytest.mark.parametrize("b, s, stacked", [(1, 1, False), (4, 1, False), (1, 256, False), (1, 256, True)],
-                         ids=["decode1", "decode4", "prefill", "prefill_stacked"])
-def test_triton_backward_at_flash_sizes(kind, b, s, stacked):
+@pytest.mark.parametrize("b, s", [(1, 1), (4, 1), (1, 256)], ids=["decode1", "decode4", "prefill"])
+def test_triton_backward_at_flash_sizes(kind, b, s):
     """V4-Flash shapes (64 heads of 512, window 128, top-512 of 4k entries or 129 HCA entries):
-    float32 against the XLA VJP; bf16 against float32, beside the XLA VJP's own bf16 error. The
-    stacked dots (`backward_dots="stacked"`) in a prefill too."""
+    float32 against the XLA VJP; bf16 against float32, beside the XLA VJP's own bf16 error."""
     t = 4096 if kind == "csa" else 129
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32, s=s)
     do = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
     want = xla_vjp(q, pool, widx, sinks, kwargs, do)
-    assert_close(kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret=False, stacked=stacked), want, rtol=1e-4)
+    assert_close(kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret=False), want, rtol=1e-4)
     bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
     kw16 = {n: (bf(v) if n == "entries" else v) for n, v in kwargs.items()}
-    got16 = kernel_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do), interpret=False, stacked=stacked)
+    got16 = kernel_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do), interpret=False)
     xla16 = xla_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do))
     for name, g, x, w in zip(("dq", "dpool", "dsinks", "dentries"), got16, xla16, want):
         if w is None:
@@ -233,6 +173,5 @@ def test_triton_backward_at_flash_sizes(kind, b, s, stacked):
         scale = float(np.abs(np.asarray(w, np.float32)).max())
         kernel_err = float(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)).max()) / scale
         xla_err = float(np.abs(np.asarray(x, np.float32) - np.asarray(w, np.float32)).max()) / scale
-        label = f"{kind} B={b} S={s}" + (" stacked" if stacked else "")
-        print(f"bf16 backward {label} {name}: kernel {kernel_err:.2e}, XLA VJP {xla_err:.2e}")
+        print(f"bf16 backward {kind} B={b} S={s} {name}: kernel {kernel_err:.2e}, XLA VJP {xla_err:.2e}")
         assert kernel_err <= max(2 * xla_err, 2 ** -6)
