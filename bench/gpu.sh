@@ -25,7 +25,8 @@
 #   ab        bench/stack.py's decode stacks of the tree against the tree with files swapped in, one
 #             process per variant on one machine: ORDER (default "new old new"), AB_DIR (the files of
 #             "old" at their paths, default build/ab_old; any other tag T: build/ab_T), STACKS,
-#             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T);
+#             BATCHES, CONTEXTS, ARGS_T (stack.py arguments of tag T), FLAGS_T (XLA flags of tag T),
+#             STACK_TIMEOUT (a process's limit; default 30 s + 10 s a case);
 #             AUTOTUNE_DUMP=1: XLA's autotuning results per process -> $OUT/autotune_<i>_<tag>.textproto
 #             (bench/deviceless.py --autotune compiles with them on a machine without the GPU)
 #   census    bench/deviceless.py --target attached: the launches of the decode stacks' programs as
@@ -169,7 +170,10 @@ ab_use() {
 }
 
 ab() {
-  local order=${ORDER:-new old new} tag i=0
+  local order=${ORDER:-new old new} tag i=0 cases
+  # A process's limit by default: ~30 s to start, ~10 s a case (compile ~4 s, then the timed steps).
+  cases=$(( $(echo "${STACKS:-csa}" | tr ',' ' ' | wc -w) * $(echo "${BATCHES:-1,32}" | tr ',' ' ' | wc -w) \
+            * $(echo "${CONTEXTS:-16384}" | tr ',' ' ' | wc -w) ))
   ab_prepare "$order"
   for tag in $order; do
     i=$((i + 1)); ab_use "$tag"
@@ -181,10 +185,10 @@ ab() {
       xla_flags=$(echo $xla_flags --xla_gpu_dump_autotune_results_to="$OUT/autotune_${i}_$tag.textproto")
     fi
     ( if [ -n "$xla_flags" ]; then export XLA_FLAGS="$xla_flags"; else unset XLA_FLAGS; fi
-      timeout "${STACK_TIMEOUT:-120}" python3 bench/stack.py $extra_args --size flash --scenarios stack_decode \
+      timeout "${STACK_TIMEOUT:-$(( 30 + 10 * cases ))}" python3 bench/stack.py $extra_args --size flash --scenarios stack_decode \
         --stacks "${STACKS:-csa}" --batches "${BATCHES:-1,32}" --contexts "${CONTEXTS:-16384}" \
         --json "$OUT/h200_stack_ab_${i}_$tag.json" >"$OUT/stack_ab_${i}_$tag.log" 2>&1 )
-    echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -6
+    echo "$i $tag rc=$?"; grep "^stack_decode\|Error" "$OUT/stack_ab_${i}_$tag.log" | head -20
   done
   ab_use new
 }
