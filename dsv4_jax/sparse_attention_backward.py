@@ -34,6 +34,10 @@ passes that o' and the rotated channels' share of delta separately (`rotated`,
 `delta_rotated`): do . o = do' . o' over those channels for any linear map, and the others are
 equal.
 
+The cotangent may come as [G, R, H/G, D] (`do_groups`): the layout in which the layer's grouped
+output projection's gradient writes it, read as it is (a program's heads are whole groups or a
+part of one), instead of XLA transposing it to [B, S, H, D] first.
+
 R = B * S query rows; row r reads the sources of batch row r // S. A key's gradient gets the
 two contributions of K = V (through the logits and through the values). Rows past a row's
 last entry block with a key are skipped (HCA's visible prefix, a prompt's early queries).
@@ -106,7 +110,8 @@ def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_wi
 
     r = _row_of(pl.program_id(0), rows, stretches)
     src = r // rows_per_source
-    q, do = q_ref[...], do_ref[...]  # [bh, D]
+    q = q_ref[...]  # [bh, D]
+    do = do_ref[...].reshape(q.shape)  # [bh / hpg, hpg, D] or [bh, D] (the heads of the block in order)
     lse = lse_ref[...]  # [bh] float32
     exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     cols = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
@@ -155,13 +160,36 @@ def _atomic_add(ref, idx, values, relaxed: bool):
         pl_triton.atomic_add(ref, idx, values)
 
 
+def _by_group(do: Array, rows: int, h: int, d: int, groups: int | None, bh: int) -> Array:
+    """do as [G, R, H/G, D], G such that a program's bh heads are whole groups or lie in one
+    (`_group_block_spec`); other groupings are rearranged into one group (a transpose)."""
+    if groups is None:
+        return do.reshape(1, rows, h, d)
+    if do.shape != (groups, rows, h // groups, d):
+        raise ValueError(f"do: expected [G, B*S, H/G, D] = {(groups, rows, h // groups, d)} with "
+                         f"do_groups={groups}, got {do.shape}")
+    hpg = h // groups
+    if bh % hpg == 0 or hpg % bh == 0:
+        return do
+    return do.transpose(1, 0, 2, 3).reshape(1, rows, h, d)
+
+
+def _group_block_spec(hpg: int, bh: int, d: int, row_of) -> pl.BlockSpec:
+    """Program (i, g)'s heads g*bh .. g*bh+bh-1 of row `row_of(i)` in do [G, R, hpg, D]: bh / hpg
+    whole groups, or a part of one group."""
+    if bh % hpg == 0:
+        return pl.BlockSpec((bh // hpg, None, hpg, d), lambda i, g: (g, row_of(i), 0, 0))
+    per = hpg // bh
+    return pl.BlockSpec((None, None, bh, d), lambda i, g: (g // per, row_of(i), g % per, 0))
+
+
 def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: Array, o: Array, lse: Array,
                               do: Array, *, entries: Array | None = None, picks: Array | None = None,
                               visible: Array | None = None, interpret: bool = False,
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                               num_warps: int = NUM_WARPS, num_stages: int | None = None, relaxed: bool = True,
                               rotated: int = 0, delta_rotated: Array | None = None,
-                              row_stretches_most: int = ROW_STRETCHES):
+                              row_stretches_most: int = ROW_STRETCHES, do_groups: int | None = None):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -175,7 +203,10 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     `relaxed`: the key gradients' atomic adds in relaxed memory order (`relaxed_atomics`; False:
     Pallas' acquire-release `atomic_add`, twice the time on the H200). `num_stages`: None, by
     q's dtype (`NUM_STAGES`). `row_stretches_most`: the launch order's spread (`ROW_STRETCHES`;
-    1 launches the rows in order).
+    1 launches the rows in order). `do_groups`: None, do is [B, S, H, D]; G, do is [G, B*S, H/G, D]
+    (head g*H/G + j of row r at [g, r, j]), the layout in which the gradient of a grouped
+    output projection (the layer's wo_a, batched over its G groups) leaves it: read as it is,
+    XLA's transpose of it to [B, S, H, D] (a pass over it) cancels against the caller's.
     """
     b, s, h, d = q.shape
     rows = b * s
@@ -191,7 +222,8 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
         # [R] int32: entry blocks up to the row's last key (HCA: the visible prefix)
         last = jnp.max(jnp.where(eidx >= 0, jnp.arange(1, eidx.shape[1] + 1, dtype=jnp.int32), 0), axis=1)
         index_args += [eidx, (last + block_keys - 1) // block_keys]
-    q_rows, do_rows = q.reshape(rows, h, d), do.astype(dtype).reshape(rows, h, d)
+    do_by_group = _by_group(do.astype(dtype), rows, h, d, do_groups, bh)  # [G, R, H/G, D]
+    q_rows = q.reshape(rows, h, d)
     lse_rows = lse.reshape(rows, h).astype(jnp.float32)
     o_rows = o.reshape(rows, h, d)
     if rotated and delta_rotated is None:
@@ -210,10 +242,11 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     whole = pl.no_block_spec
     per_head = pl.BlockSpec((None, bh, d), lambda i, g: (_row_of(i, rows, stretches), g, 0))
     per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (_row_of(i, rows, stretches), g))
+    per_head_of_groups = _group_block_spec(do_by_group.shape[2], bh, d, lambda i: _row_of(i, rows, stretches))
     sources = [pool] + ([entries] if eidx is not None else [])
     accumulators = [dpool0] + ([dents0] if eidx is not None else [])
-    args = [*index_args, q_rows, do_rows, o_rows, *stats, *sources, *accumulators]
-    in_specs = ([whole] * len(index_args) + [per_head] * 3 + [per_head_stat] * len(stats)
+    args = [*index_args, q_rows, do_by_group, o_rows, *stats, *sources, *accumulators]
+    in_specs = ([whole] * len(index_args) + [per_head, per_head_of_groups, per_head] + [per_head_stat] * len(stats)
                 + [whole] * (len(sources) + len(accumulators)))
     first_acc = len(args) - len(accumulators)
     out_shape = [jax.ShapeDtypeStruct((rows, h, d), dtype),

@@ -103,11 +103,13 @@ def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
 
 
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-def test_the_output_rotation_differentiates_as_rotating_afterwards(kind):
+@pytest.mark.parametrize("output_groups", [1, 2])
+def test_the_output_rotation_differentiates_as_rotating_afterwards(kind, output_groups):
     """`sparse_attention(..., rotation=)`: the kernel path de-rotates its output in place and its
     backward kernel takes the de-rotated output, the cotangent rotated back and the rotated
     channels' share of delta; outputs and gradients equal the XLA path's followed by the same
-    inverse RoPE (float32; scale != 1 and padded slots at position -1 included)."""
+    inverse RoPE (float32; scale != 1 and padded slots at position -1 included), with the
+    cotangent in the heads' order or by output group (`output_groups`)."""
     q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=4, d=16, w=8, t=20, k=6, dtype=jnp.float32, s=7)
     positions = jnp.asarray(np.random.default_rng(5).integers(-1, 40, q.shape[:2]), jnp.int32)
     freqs = np.asarray([0.9, 0.3, 0.05], np.float32)  # the trailing 6 of 16 channels rotate
@@ -118,7 +120,8 @@ def test_the_output_rotation_differentiates_as_rotating_afterwards(kind):
     def loss(plan, rotated):
         def f(q, pool, sinks, entries):
             o = sa.sparse_attention(q, pool, widx, sinks, **kwargs, entries=entries, kernels=plan,
-                                    precision=jax.lax.Precision.HIGHEST, rotation=rotation if rotated else None).o
+                                    precision=jax.lax.Precision.HIGHEST, rotation=rotation if rotated else None,
+                                    output_groups=output_groups).o
             if not rotated:
                 o = rope.apply_rope(o, positions[..., None], freqs, inverse=True, scale=1.25)
             return jnp.sum(jnp.sin(o)), o
@@ -127,6 +130,28 @@ def test_the_output_rotation_differentiates_as_rotating_afterwards(kind):
     (got, o_got), (want, o_want) = loss(plan, True), loss(XLA, False)
     np.testing.assert_allclose(np.asarray(o_got), np.asarray(o_want), rtol=1e-6, atol=1e-6)
     assert_close(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("h, groups, block_heads", [(4, 1, 2), (4, 2, 2), (4, 4, 2), (6, 2, 2)],
+                         ids=["part-of-a-group", "a-group", "two-groups", "rearranged"])
+def test_the_backward_kernel_reads_the_cotangent_by_output_group(h, groups, block_heads):
+    """`do_groups`: the cotangent as [G, B*S, H/G, D] (the grouped output projection's gradient's
+    layout) gives the same cotangents, bit for bit, as [B, S, H, D], whether a program's heads
+    are part of a group, one group, several, or (H/G = 3 against 2 heads a program) the groups
+    are rearranged first."""
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=h, d=8, w=8, t=13, k=6, dtype=jnp.float32, s=3)
+    o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kwargs, interpret=True, with_lse=True)
+    do = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
+    by_group = do.reshape(-1, groups, h // groups, 8).transpose(1, 0, 2, 3)
+
+    def backward(do, do_groups):
+        return sab.sparse_attention_backward(q, pool, widx, sinks, o, lse, do, **kwargs, interpret=True,
+                                             block_keys=4, block_heads=block_heads, do_groups=do_groups)
+
+    for got, want in zip(backward(by_group, groups), backward(do, None)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="do: expected"):
+        backward(do, groups)
 
 
 def test_the_key_gradients_add_with_relaxed_atomics_in_the_triton_program():
@@ -175,3 +200,24 @@ def test_triton_backward_at_flash_sizes(kind, b, s):
         xla_err = float(np.abs(np.asarray(x, np.float32) - np.asarray(w, np.float32)).max()) / scale
         print(f"bf16 backward {kind} B={b} S={s} {name}: kernel {kernel_err:.2e}, XLA VJP {xla_err:.2e}")
         assert kernel_err <= max(2 * xla_err, 2 ** -6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_triton_backward_by_output_group_at_flash_sizes(kind):
+    """The Triton kernel reading the cotangent as V4-Flash's grouped output projection leaves it
+    ([8, B*S, 8, 512]: four groups a program of 32 heads) gives the cotangents of reading it as
+    [B, S, H, D], up to the order of float sums (delta's in the tiles' layout, the keys' atomic
+    adds): a head read from the wrong place would be off by the size of the gradients."""
+    t = 4096 if kind == "csa" else 129
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=1, h=64, d=512, w=128, t=t, k=512, dtype=jnp.bfloat16, s=256)
+    o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kwargs, with_lse=True)
+    do = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.bfloat16)
+    by_group = do.reshape(-1, 8, 8, 512).transpose(1, 0, 2, 3)
+    grouped = sab.sparse_attention_backward(q, pool, widx, sinks, o, lse, by_group, **kwargs, do_groups=8)
+    plain = sab.sparse_attention_backward(q, pool, widx, sinks, o, lse, do, **kwargs)
+    for name, got, want in zip(("dq", "dpool", "dsinks", "dentries"), grouped, plain):
+        if want is None:
+            continue
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * np.abs(want).max(), err_msg=name)
