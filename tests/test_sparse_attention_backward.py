@@ -152,6 +152,8 @@ def test_the_backward_kernel_reads_the_cotangent_by_output_group(h, groups, bloc
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="do: expected"):
         backward(do, groups)
+    with pytest.raises(ValueError, match=f"output_groups: expected a divisor of the {h} heads, got {h + 1}"):
+        sa.sparse_attention(q, pool, widx, sinks, **kwargs, output_groups=h + 1)
 
 
 def test_the_key_gradients_add_with_relaxed_atomics_in_the_triton_program():
