@@ -270,12 +270,12 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
             b, s, h = q.shape[:3]
             # [G, R, H/G, D]: as the grouped output projection's gradient writes it, so that this
             # transpose and XLA's to [B, S, H, D] cancel.
-            do = _by_group(do.astype(q.dtype), output_groups)
+            do = sparse_attention_backward.by_output_group(do.astype(q.dtype), output_groups)
             extra = {}
             if rotation is not None:
                 n = 2 * rotation[0].shape[-1]
                 # This share first: the rotation back then updates do' in its own buffer.
-                o_tail = _by_group(o[..., -n:], output_groups)
+                o_tail = sparse_attention_backward.by_output_group(o[..., -n:], output_groups)
                 delta_rotated = jnp.sum(do[..., -n:].astype(jnp.float32) * o_tail.astype(jnp.float32), axis=-1)
                 do = _derotate_transpose(do, positions.reshape(1, b * s), *rotation)
                 delta_rotated = delta_rotated.transpose(1, 0, 2).reshape(b, s, h)
@@ -293,12 +293,6 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
 
     call.defvjp(fwd, bwd)
     return call
-
-
-def _by_group(x: Array, groups: int) -> Array:
-    """[B, S, H, C] -> [G, B*S, H/G, C]."""
-    b, s, h, c = x.shape
-    return x.reshape(b * s, groups, h // groups, c).transpose(1, 0, 2, 3)
 
 
 def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, precision,

@@ -160,7 +160,14 @@ def _atomic_add(ref, idx, values, relaxed: bool):
         pl_triton.atomic_add(ref, idx, values)
 
 
-def _by_group(do: Array, rows: int, h: int, d: int, groups: int | None, bh: int) -> Array:
+def by_output_group(x: Array, groups: int) -> Array:
+    """[B, S, H, C] -> [G, B*S, H/G, C] (head g*H/G + j of row r at [g, r, j]): the layout of
+    `do_groups`. A caller holding the cotangent in that layout's transpose gets a no-op."""
+    b, s, h, c = x.shape
+    return x.reshape(b * s, groups, h // groups, c).transpose(1, 0, 2, 3)
+
+
+def _as_group_layout(do: Array, rows: int, h: int, d: int, groups: int | None, bh: int) -> Array:
     """do as [G, R, H/G, D], G such that a program's bh heads are whole groups or lie in one
     (`_group_block_spec`); other groupings are rearranged into one group (a transpose)."""
     if groups is None:
@@ -222,7 +229,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
         # [R] int32: entry blocks up to the row's last key (HCA: the visible prefix)
         last = jnp.max(jnp.where(eidx >= 0, jnp.arange(1, eidx.shape[1] + 1, dtype=jnp.int32), 0), axis=1)
         index_args += [eidx, (last + block_keys - 1) // block_keys]
-    do_by_group = _by_group(do.astype(dtype), rows, h, d, do_groups, bh)  # [G, R, H/G, D]
+    do_by_group = _as_group_layout(do.astype(dtype), rows, h, d, do_groups, bh)  # [G, R, H/G, D]
     q_rows = q.reshape(rows, h, d)
     lse_rows = lse.reshape(rows, h).astype(jnp.float32)
     o_rows = o.reshape(rows, h, d)
