@@ -47,7 +47,8 @@ source "$(dirname "$0")/gpu_build.sh"
 
 gates() {
   timeout "${GATES_TIMEOUT:-420}" python3 -m pytest -q -s -p no:cacheprovider --durations=10 \
-    tests/test_sparse_attention_backward.py tests/test_gradients.py tests/test_sparse_attention_kernel.py \
+    tests/test_sparse_attention_backward.py tests/test_sparse_attention_backward_wgmma.py tests/test_gradients.py \
+    tests/test_sparse_attention_kernel.py \
     tests/test_compressor_kernel.py tests/test_indexer_kernel.py tests/test_head_norm_kernel.py ${GATES_K:+-k "$GATES_K"} \
     >"$OUT/gpu_gates.log" 2>&1
   echo "kernel gates rc=$?"

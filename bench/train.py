@@ -62,6 +62,7 @@ from bench import plan as plan_mod  # noqa: E402
 from bench import run as run_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import step as step_mod  # noqa: E402
+from dsv4_jax.kernel_plan import BACKWARD_CHOICES  # noqa: E402
 
 REMAT = ("none", "layer")
 
@@ -349,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--remat", default="none", choices=REMAT, help="layer: jax.checkpoint around each layer")
     ap.add_argument("--break-mode", default="narrow", help="the layers' break_mode (default narrow)")
     ap.add_argument("--kernels", default="auto", choices=dsv4_jax.KERNELS, help="the layers' kernels (default auto)")
-    ap.add_argument("--attention-backward", default=None, choices=("auto", "xla"),
-                    help="the sparse attention kernel's gradient: its backward kernel (auto) or the XLA VJP")
+    ap.add_argument("--attention-backward", default=None, choices=BACKWARD_CHOICES,
+                    help="the sparse attention kernel's gradient: its backward kernel (auto), the Mosaic GPU "
+                         "range kernels where they take the layer (wgmma) or the XLA VJP")
     ap.add_argument("--query-norm", default=None, choices=("auto", "pallas", "xla"),
                     help="the queries' per-head norm: its Pallas kernels (auto: for prefill) or XLA")
     for flag in ("decode-kernel", "prefill-kernel", "compress-kernel"):  # bench/stack.py's A/B switches

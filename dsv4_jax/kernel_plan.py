@@ -18,7 +18,10 @@ stage                  kernel                                 reference
                        compressors (`compressor_kernel`)
 ``attention_backward`` the sparse attention kernel's          the VJP of `sparse_attention.
                        gradient as a Pallas kernel            _xla_path`
-                       (`sparse_attention_backward`)
+                       (`sparse_attention_backward`), or
+                       over key ranges as Mosaic GPU
+                       kernels (`sparse_attention_
+                       backward_wgmma`; opt-in, unmeasured)
 ``query_norm``         the queries' per-head RMSNorm as two   `norms.head_rms_norm` (and XLA's
                        Pallas kernels, forward and backward   gradient)
                        (`head_norm_kernel`)
@@ -62,6 +65,7 @@ KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
+BACKWARD_CHOICES = ("auto", "wgmma", "xla")
 PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm")
 
 
@@ -75,10 +79,14 @@ class KernelPlan:
     compress:          the same, for the compressors' decode pooling
     query_norm:        the same, for the queries' per-head RMSNorm and its gradient
                        (`head_norm_kernel`; "auto": for calls of several queries a row)
-    attention_backward: "auto" | "xla"  the gradient of the sparse attention kernel where it runs:
-                       "auto" its backward kernel (`sparse_attention_backward`, where the Triton
-                       kernel takes the shapes; interpret mode where the forward is), "xla" the
-                       XLA reference's VJP
+    attention_backward: "auto" | "wgmma" | "xla"  the gradient of the sparse attention kernel where
+                       it runs: "auto" its backward kernel (`sparse_attention_backward`, where the
+                       Triton kernel takes the shapes; interpret mode where the forward is),
+                       "wgmma" the Mosaic GPU kernels over key ranges where they take the call
+                       (`sparse_attention_backward_wgmma.takes`: bf16 sliding and HCA layers,
+                       heads a multiple of 64; interpret mode where the forward is, on a jax
+                       whose interpret mode runs them), else as "auto" (A/B runs: not yet
+                       measured), "xla" the XLA reference's VJP
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
@@ -121,7 +129,7 @@ class KernelPlan:
         check_choice("kernels.select", self.select, SELECT_CHOICES)
         for stage in PALLAS_STAGES:
             check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
-        check_choice("kernels.attention_backward", self.attention_backward, ("auto", "xla"))
+        check_choice("kernels.attention_backward", self.attention_backward, BACKWARD_CHOICES)
         check_choice("kernels.select_keys", self.select_keys, ("auto", "stored", "dequantized"))
         check_choice("kernels.select_scores", self.select_scores, SCORES_CHOICES)
         for name in ("decode_blocks", "prefill_blocks"):

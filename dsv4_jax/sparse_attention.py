@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sparse_attention_backward, sparse_attention_kernel
-from .backend import QUERY_BLOCK, Array, einsum, map_query_blocks, reference_vjp
+from . import sparse_attention_backward, sparse_attention_backward_wgmma, sparse_attention_kernel
+from .backend import QUERY_BLOCK, Array, einsum, is_tracer, map_query_blocks, reference_vjp
 from .kernel_plan import AUTO, KernelPlan
 from .rope import apply_rope
 
@@ -76,13 +76,21 @@ def _derotate_transpose(do: Array, positions: Array, freqs: np.ndarray, scale: f
 def window_indices(positions: Array, length: Array, window: int) -> Array:
     """Pool indices of each query's window keys: int32 [B, S, W], -1 before position 0.
 
-    The pool is ``[window cache (W) | new keys (S)]``: a position p >= length (this call)
-    sits at ``W + p - length``; an older one in cache slot ``p % W``.
+    The pool is ``[window cache in position order (W) | new keys (S)]`` (`key_pool`): position p
+    sits at ``W + p - length`` whether it is this call's (p >= length) or the cache's, so each
+    query's valid indices are consecutive (the range backward, `sparse_attention_backward_wgmma`,
+    relies on it).
     """
     p = positions[..., None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)  # [B, S, W] ascending
-    start = length[:, None, None]
-    idx = jnp.where(p >= start, window + p - start, p % window)
-    return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
+    return jnp.where(p >= 0, window + p - length[:, None, None], -1).astype(jnp.int32)
+
+
+def in_position_order(window_cache: Array, length: Array, window: int) -> Array:
+    """The window cache [B, W, D] (position p in slot p % W) with index i holding position
+    ``length - W + i``: the W positions before the call, oldest first (those before position 0
+    hold whatever the slot does; no query reads them)."""
+    slots = (length[:, None] - window + jnp.arange(window, dtype=jnp.int32)) % window  # [B, W]
+    return jnp.take_along_axis(window_cache, slots[..., None], axis=1)
 
 
 def key_pool(window_before: Array, window_after: Array, keys: Array, positions: Array, length: Array,
@@ -102,12 +110,16 @@ def key_pool(window_before: Array, window_after: Array, keys: Array, positions: 
       concatenated and the XLA path gathers nothing. (A row whose call overflows
       `max_seq_len` is written nothing and reads stale keys; its output is NaN by contract,
       `cache.overflows`.)
-    * Otherwise: ``[window_before | keys]`` [B, W+S, D] and `window_indices` (ascending positions).
+    * Otherwise: ``[window_before in position order | keys]`` [B, W+S, D] (`in_position_order`)
+      and `window_indices` (ascending positions).
+
+    Either way each query's valid indices are consecutive (slots 0..min(t, W-1) in decode).
     """
     if keys.shape[1] == 1 and window_after.dtype == keys.dtype:
         slot = jnp.arange(window, dtype=jnp.int32)
         return window_after, jnp.where(slot <= positions[..., None], slot, -1).astype(jnp.int32), True
-    return jnp.concatenate([window_before, keys], axis=1), window_indices(positions, length, window), False
+    ordered = in_position_order(window_before, length, window)
+    return jnp.concatenate([ordered, keys], axis=1), window_indices(positions, length, window), False
 
 
 def sparse_attention(
@@ -125,6 +137,7 @@ def sparse_attention(
     window_in_place: bool = False,
     rotation: OutputRotation | None = None,
     output_groups: int = 1,
+    window_contiguous: bool = False,
     kernels: KernelPlan = AUTO,
 ) -> AttentionOutput:
     """Attention of each query over its window keys and its compressed entries, with sinks.
@@ -149,6 +162,9 @@ def sparse_attention(
                cotangent in the [G, B*S, H/G, D] layout that projection's gradient leaves it
                in, instead of XLA transposing it to [B, S, H, D] first (a pass over it: on the
                H200 0.16 ms a layer of an HCA 4k training step). Values unchanged.
+    window_contiguous: each query's valid window indices are consecutive pool indices (as
+               `key_pool`'s are): the gradient may then read the window as one range
+               (``attention_backward="wgmma"``, `sparse_attention_backward_wgmma`)
     kernels:   the step's `KernelPlan` (its ``decode_attention`` / ``prefill_attention``):
                without attention masses, `sparse_attention_kernel` may run instead of the XLA
                path; its gradient is `sparse_attention_backward`'s kernel or the XLA path's VJP
@@ -169,7 +185,7 @@ def sparse_attention(
         if chosen is not None:
             static = None if rotation is None else (rotation.freqs, float(rotation.scale))
             attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static,
-                                output_groups=output_groups)
+                                output_groups=output_groups, window_contiguous=window_contiguous)
             positions = None if rotation is None else rotation.positions
             return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible, positions))
     out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
@@ -208,7 +224,7 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
 
 
 def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None,
-               output_groups: int = 1):
+               output_groups: int = 1, window_contiguous: bool = False):
     """``f(q, pool, window_idx, sinks, entries, picks, visible, positions) -> o`` by the kernel,
     with a gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where
     the Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels
@@ -219,7 +235,9 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     kernel then gets the de-rotated output as its residual, the cotangent rotated back, and the
     rotated channels' share of its `delta` (do' . o', computed here from their slices).
     `output_groups`: G, the cotangent goes to the backward kernel as [G, B*S, H/G, D]
-    (`sparse_attention`)."""
+    (`sparse_attention`). ``backward="wgmma"``: the range kernels
+    (`sparse_attention_backward_wgmma`) where they take the call (`window_contiguous`: the
+    caller's promise that each window is a range), else as "auto"."""
 
     def on_platform(kernel, default):
         if interpret:
@@ -244,15 +262,22 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,
                       block_heads=sparse_attention_backward.BLOCK_HEADS)
 
-    def uses_backward_kernel(q):
-        return backward == "auto" and (interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks))
+    def by_ranges(q, picks):  # the Mosaic GPU range kernels
+        # In interpret mode only where the backward runs eagerly: under a jit, XLA's CPU pool can
+        # be too small for the simulated warp groups that wait on each other (a hang on 2 cores).
+        return (backward == "wgmma" and sparse_attention_backward_wgmma.takes(q, picks, window_contiguous)
+                and sparse_attention_backward_wgmma.available(interpret) and not (interpret and is_tracer(q)))
+
+    def uses_backward_kernel(q, picks):
+        return by_ranges(q, picks) or (backward in ("auto", "wgmma") and (
+            interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks)))
 
     @jax.custom_vjp
     def call(*args):
         return attend(*args)
 
     def fwd(*args):
-        if not uses_backward_kernel(args[0]):
+        if not uses_backward_kernel(args[0], args[5]):
             return attend(*args), (args, None, None)
 
         def reference_with_lse(*a):  # another platform's program: the reference (its VJP needs no lse)
@@ -280,6 +305,10 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 do = _derotate_transpose(do, positions.reshape(1, b * s), *rotation)
                 delta_rotated = delta_rotated.transpose(1, 0, 2).reshape(b, s, h)
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
+            if by_ranges(q, picks):
+                return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
+                    q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible, interpret=interpret,
+                    do_groups=output_groups, **extra)
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
                 interpret=interpret, do_groups=output_groups, **bwd_blocks, **extra)

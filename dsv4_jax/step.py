@@ -427,7 +427,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
             stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
             entries=entries, picks=picks, visible=visible if spec.layer_type == HCA else None,
             block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
-            rotation=output_rotation(positions, spec), output_groups=spec.cfg.o_groups, kernels=spec.plan.kernels,
+            rotation=output_rotation(positions, spec), output_groups=spec.cfg.o_groups, window_contiguous=True,
+            kernels=spec.plan.kernels,
         )
 
     # 6. Grouped low-rank output projection (of the output de-rotated above).

@@ -13,6 +13,7 @@ file skips.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -81,6 +82,14 @@ def test_the_backward_kernel_compiles_at_v4_flash_size():
     """V4-Flash's 64 heads x 512: the sizes whose blocks fill the H200's shared memory."""
     row = _census("train", "csa", 1, 512, size="flash", kernels=EVERY_KERNEL)
     assert row["triton_calls"] > 0 and any(stage.endswith("(bwd)") for stage in row["stages"])
+
+
+def test_the_range_backward_compiles_at_v4_flash_size():
+    """``attention_backward="wgmma"``: the Mosaic GPU range kernels (`sparse_attention_backward_wgmma`:
+    dq, and dK of the window and of HCA's entries) in the training step, beside the Triton kernels."""
+    plan = dataclasses.replace(EVERY_KERNEL, attention_backward="wgmma")
+    row = _census("train", "hca", 1, 512, size="flash", kernels=plan)
+    assert row["custom_call_targets"].get("mosaic_gpu_v2", 0) == 3
 
 
 @pytest.mark.parametrize("stack, batch", [("csa", 1), ("csa", 16), ("hca", 1)])

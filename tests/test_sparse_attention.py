@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax.cache import insert_ring
-from dsv4_jax.sparse_attention import AttentionOutput, key_pool, sparse_attention, window_indices
+from dsv4_jax.sparse_attention import AttentionOutput, in_position_order, key_pool, sparse_attention, window_indices
 
 
 def dense_reference(q, keys, allowed, sinks):
@@ -21,13 +21,33 @@ def dense_reference(q, keys, allowed, sinks):
 
 
 def test_window_indices_address_the_last_w_positions():
-    # Cache holds 5 tokens (slots p % 4), this call brings positions 5, 6.
+    # Cache holds 5 tokens (slots p % 4: 4, 1, 2, 3), this call brings positions 5, 6.
+    # In position order the pool is [positions 1, 2, 3, 4 | 5, 6]: position p at 4 + p - 5.
     idx = np.asarray(window_indices(jnp.array([[5, 6]]), jnp.array([5]), 4))
-    # position 5 sees 2, 3, 4 (cache slots 2, 3, 0) and itself (pool 4 + 0)
-    assert idx[0, 0].tolist() == [2, 3, 0, 4]
-    assert idx[0, 1].tolist() == [3, 0, 4, 5]
+    assert idx[0, 0].tolist() == [1, 2, 3, 4]  # position 5 sees 2, 3, 4 and itself
+    assert idx[0, 1].tolist() == [2, 3, 4, 5]
     first = np.asarray(window_indices(jnp.array([[0, 1]]), jnp.array([0]), 4))
     assert first[0].tolist() == [[-1, -1, -1, 4], [-1, -1, 4, 5]]
+
+
+@pytest.mark.parametrize("length", [0, 2, 5, 8, 11])
+def test_the_pool_holds_the_window_in_position_order(length):
+    # Slot p % 4 of the cache holds position p (as a value here); each query's valid window
+    # indices are consecutive and address its positions, oldest first.
+    w, s = 4, 3
+    cache = np.full((1, w, 1), -1.0, np.float32)
+    for p in range(length):
+        cache[0, p % w, 0] = p
+    keys = (length + np.arange(s, dtype=np.float32))[None, :, None]
+    positions = jnp.asarray(length + np.arange(s, dtype=np.int32))[None]
+    pool, idx, in_place = key_pool(jnp.asarray(cache), jnp.asarray(cache), jnp.asarray(keys), positions,
+                                   jnp.asarray([length]), w)
+    assert not in_place
+    pool, idx = np.asarray(pool)[0, :, 0], np.asarray(idx)[0]
+    for q, t in enumerate(range(length, length + s)):
+        valid = idx[q][idx[q] >= 0]
+        assert pool[valid].tolist() == list(range(max(0, t - w + 1), t + 1))
+        assert valid.tolist() == list(range(valid[0], valid[0] + len(valid)))
 
 
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
@@ -84,7 +104,7 @@ def test_matches_dense_masked_attention(kind, block):
 def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start):
     """A decode step's keys come from the window cache after the insert, in slot order (slot j,
     -1 while it holds no position), and the XLA path reads that cache without a gathered copy:
-    the same attention as over [cache before | new key] gathered by position, masses included.
+    the same attention as over [cache before in position order | new key] gathered by position, masses included.
     A prefill keeps the concatenated pool."""
     rng = np.random.default_rng(start)
     b, h, d, w, t = 2, 3, 8, 4, 6
@@ -106,7 +126,7 @@ def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start):
         kwargs = dict(entries=jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32), visible=(positions + 1) // 2)
     sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
     got = sparse_attention(q, pool, widx, sinks, window_in_place=True, with_mass=True, **kwargs)
-    old_pool = jnp.concatenate([before, key], axis=1)
+    old_pool = jnp.concatenate([in_position_order(before, length, w), key], axis=1)
     want = sparse_attention(q, old_pool, window_indices(positions, length, w), sinks, with_mass=True, **kwargs)
     for a, b_ in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-6, atol=1e-6)

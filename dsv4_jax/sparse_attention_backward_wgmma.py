@@ -1,0 +1,393 @@
+"""The backward pass of sparse attention over key ranges, as Mosaic GPU kernels (Hopper's wgmma).
+
+`sparse_attention_backward` (Triton) reads each key by index and adds its gradient with atomics,
+in dots of 32 heads x 16 keys: at V4-Flash's head_dim (D = 512) Triton cannot hold larger tiles,
+and the kernel sits at ~5x its forward (issue 28). Where a query's keys are one contiguous range
+of their source, the backward can be the FlashAttention one instead, in the 64-row tiles of
+Hopper's warp-group MMA, with no atomics:
+
+* the window: `key_pool` lays the pool out in position order, so query t's window keys are
+  pool[e_t - W + 1 .. e_t] (the valid part), and the decode pool's slots 0..min(t, W-1);
+* HCA's entries: the visible prefix entries[0 .. visible).
+
+(CSA's picks are scattered: its layers keep the Triton kernel.) Two kernels, each a CTA of two
+warp groups (WG), a head tile of 64 heads (the wgmma's M), D split in two halves of D/2 (the
+float32 accumulators of [64, D] would not fit one WG's registers):
+
+    dq kernel, grid (R, H / 64): query row r, heads h0 .. h0+63
+      q, do [64, D] and lse, delta [64] by TMA; per source, its key blocks of 64 meeting [lo, hi):
+        k      [64, D]     by TMA (aligned block of the padded source)
+        s, dp  [64, 64]    q k^T, do k^T                   (WG 0; float32)
+        p      exp(round(s) * scale - lse), 0 outside [lo, hi)
+        ds     p * (dp - delta) * scale -> SMEM (bf16)
+        dq    += ds k[:, half]                              (each WG its half of D, float32)
+    dkv kernel, grid (N / 64): key block kb of a source
+      k [64, D] by TMA; for each query row r whose range meets the block (`readers`), for each
+      head tile h0 (so that dk is summed in float32 and rounded once):
+        q, do [64, D], lse, delta by TMA
+        s^T, dp^T [64 keys, 64 heads]                       (WG 0)
+        p^T, ds^T as above -> SMEM (bf16)
+        dk    += ds^T q[:, half] + p^T do[:, half]          (each WG its half; K = V)
+      dk [64, D] written once (bf16)
+
+`delta` = sum(do * o) over D is computed before (an XLA pass; the Triton kernel folds it in), and
+the sink's gradient after, as for the Triton kernel. Every source is padded to whole blocks of
+64 rows (TMA copies aligned tiles: Mosaic GPU needs their starts to be multiples of the
+shared-memory tiling). Numerics as `sparse_attention_backward`'s in bf16: the logits rounded as
+the forward rounds them, p and ds rounded to bf16 for their dots, float32 accumulation.
+
+Status (session 52): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
+interpret modes lack transposed wgmma operands) and compiled for the H200 without one (jax
+0.11.2, `bench/deviceless.py`); not yet measured. No software pipelining yet: each TMA copy is
+waited for before its dots (the first thing to add if the kernels are worth keeping). At V4-Flash's
+D = 512 the shared memory is nearly spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB
+of the H200's 227 KiB; dkv: 208 KiB), so a second buffer needs smaller tiles: key blocks of 32 in
+the dq kernel (wgmma's N, and the K of its dq dot), head tiles of 32 in the dkv kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .backend import Array
+
+BLOCK = 64  # keys a block and heads a tile: the M of Hopper's wgmma
+_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+SCALARS = 32  # int32 a row of the range tables: 128 bytes (jax 0.10's Mosaic GPU copies whole warp-group multiples)
+
+
+def available(interpret: bool = False) -> bool:
+    """Whether this jax has Mosaic GPU's Pallas API as these kernels use it (they compile with jax
+    0.10.2 and 0.11.2), and for `interpret`, an interpret mode that runs them (transposed wgmma
+    operands: jax >= 0.12)."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError:
+        return False
+    if not hasattr(plgpu, "broadcasted_iota"):
+        return False
+    return not interpret or _JAX_VERSION >= (0, 12)
+
+
+def takes(q: Array, picks: Array | None, window_contiguous: bool) -> bool:
+    """Whether the kernels take this call: bf16, heads a multiple of 64, D a multiple of 128,
+    windows of consecutive pool indices and no CSA picks."""
+    _, _, h, d = q.shape
+    return (window_contiguous and picks is None and q.dtype == jnp.bfloat16 and h % BLOCK == 0
+            and d % (2 * BLOCK) == 0)
+
+
+def _tile():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _interpret_params(interpret: bool):
+    if not interpret:
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _load(ref, layout):
+    """`plgpu.load` of a whole SMEM ref in `layout` (jax < 0.11.x asks for the index)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def _transposed(ref):
+    """A shared-memory ref's transpose as a wgmma operand (`plgpu.transpose_ref` before jax 0.12,
+    which deprecates it for the ref's own `transpose`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if _JAX_VERSION >= (0, 12):
+        return ref.transpose((1, 0))
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool):
+    """sum_j a_j b_j^T over the halves of D ([2, M, D/2] refs in SMEM) -> float32 [M, N]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def dots(acc_ref):
+        for j in range(2):
+            b = b_halves.at[j]
+            plgpu.wgmma(acc_ref, a_halves.at[j], _transposed(b) if transposed_b else b)
+        return acc_ref[...]
+
+    return pl.run_scoped(dots, plgpu.ACC(shape, jnp.float32))
+
+
+def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int, scale: float, dtype, d: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    sources, (dq_ref, q_smem, do_smem, k_smem, ds_smem, lse_smem, delta_smem, rng_smem, in_bar, k_bar,
+              sync_bar) = refs[:n_sources], refs[n_sources:]
+    r, ht, wg = lax.axis_index("row"), lax.axis_index("heads"), lax.axis_index("wg")
+    half = d // 2
+    heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
+
+    @pl.when(wg == 0)
+    def _():
+        for j in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
+            plgpu.copy_gmem_to_smem(do_ref.at[r, heads, pl.ds(j * half, half)], do_smem.at[j], in_bar)
+        plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
+        plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
+        plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
+    plgpu.barrier_wait(in_bar)
+
+    def key_block(src_ref, lo, hi, kb, dq_acc):
+        @pl.when(wg == 0)
+        def _():
+            for j in range(2):
+                plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK),
+                                                   pl.ds(j * half, half)], k_smem.at[j], k_bar)
+        plgpu.barrier_wait(k_bar)
+
+        @pl.when(wg == 0)  # the logits and their cotangent once; both warp groups use ds
+        def _():
+            s = _dots_over_halves(q_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
+            dp = _dots_over_halves(do_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
+            lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(1))
+            delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(1))
+            key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA)
+            s = (s.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+            p = jnp.where((key >= lo) & (key < hi), jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [0])), 0.0)
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+            ds_smem[...] = (ds * scale).astype(dtype)
+            plgpu.commit_smem()
+        plgpu.barrier_arrive(sync_bar)
+        plgpu.barrier_wait(sync_bar)
+        plgpu.wgmma(dq_acc, ds_smem, k_smem.at[wg])
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(sync_bar)  # both warp groups are done with k_smem and ds_smem
+        plgpu.barrier_wait(sync_bar)
+
+    def rows_loop(dq_acc):
+        for i, src_ref in enumerate(sources):
+            lo, hi = rng_smem[2 * i], rng_smem[2 * i + 1]
+            first = lo // BLOCK
+            last = jnp.where(hi > lo, (hi + BLOCK - 1) // BLOCK, first)
+            body = functools.partial(key_block, src_ref, lo, hi)
+            lax.fori_loop(first, last, lambda kb, c, body=body: (body(kb, dq_acc), c)[1], 0)
+        return dq_acc[...]
+
+    dq = pl.run_scoped(rows_loop, plgpu.ACC((BLOCK, half), jnp.float32))
+    # q_smem is free: both warp groups passed the last block's rendezvous (or read nothing).
+    out = q_smem.at[wg]
+    out[...] = dq.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out, dq_ref.at[r, heads, pl.ds(wg * half, half)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_ref, dsrc_ref,
+                q_smem, do_smem, k_smem, ds_smem, p_smem, lse_smem, delta_smem, rng_smem, rd_smem,
+                k_bar, in_bar, sync_bar, *, source: int, scale: float, dtype, d: int, head_tiles: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    kb, wg = lax.axis_index("block"), lax.axis_index("wg")
+    half = d // 2
+    keys = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
+
+    @pl.when(wg == 0)
+    def _():
+        for j in range(2):
+            plgpu.copy_gmem_to_smem(src_ref.at[keys, pl.ds(j * half, half)], k_smem.at[j], k_bar)
+        plgpu.copy_gmem_to_smem(readers_ref.at[kb], rd_smem, k_bar)
+    plgpu.barrier_wait(k_bar)
+
+    def query_row(i, dk_acc):  # i: row r, head tile ht
+        r, ht = i // head_tiles, i % head_tiles
+        heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
+
+        @pl.when(wg == 0)
+        def _():
+            for j in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
+                plgpu.copy_gmem_to_smem(do_ref.at[r, heads, pl.ds(j * half, half)], do_smem.at[j], in_bar)
+            plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
+            plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
+            plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
+        plgpu.barrier_wait(in_bar)
+
+        @pl.when(wg == 0)
+        def _():
+            lo, hi = rng_smem[2 * source], rng_smem[2 * source + 1]
+            st = _dots_over_halves(k_smem, q_smem, (BLOCK, BLOCK), transposed_b=True)  # [keys, heads]
+            dpt = _dots_over_halves(k_smem, do_smem, (BLOCK, BLOCK), transposed_b=True)
+            lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(0))
+            delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(0))
+            key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA)
+            st = (st.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+            pt = jnp.where((key >= lo) & (key < hi), jnp.exp(st - lax.broadcast_in_dim(lse, st.shape, [1])), 0.0)
+            dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
+            ds_smem[...] = (dst * scale).astype(dtype)
+            p_smem[...] = pt.astype(dtype)
+            plgpu.commit_smem()
+        plgpu.barrier_arrive(sync_bar)
+        plgpu.barrier_wait(sync_bar)
+        plgpu.wgmma(dk_acc, ds_smem, q_smem.at[wg])
+        plgpu.wgmma(dk_acc, p_smem, do_smem.at[wg])
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(sync_bar)  # both warp groups are done with this row's tiles
+        plgpu.barrier_wait(sync_bar)
+
+    def loop(dk_acc):
+        lax.fori_loop(rd_smem[0] * head_tiles, rd_smem[1] * head_tiles, lambda i, c: (query_row(i, dk_acc), c)[1], 0)
+        return dk_acc[...]
+
+    dk = pl.run_scoped(loop, plgpu.ACC((BLOCK, half), jnp.float32))
+    plgpu.barrier_arrive(sync_bar)  # k_smem is free in both warp groups
+    plgpu.barrier_wait(sync_bar)
+    out = k_smem.at[wg]
+    out[...] = dk.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out, dsrc_ref.at[keys, pl.ds(wg * half, half)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def readers(ranges: Array, source: int, n_blocks: int) -> Array:
+    """[NB, SCALARS] int32: the query rows [r0, r1) whose range of `source` (columns 2 * source,
+    2 * source + 1 of `ranges` [R, SCALARS]) meets key block kb; (0, 0) where none does. Rows in
+    between that do not meet it are masked by their own ranges."""
+    lo, hi = ranges[:, 2 * source], ranges[:, 2 * source + 1]
+    rows = lo.shape[0]
+    kb = jnp.arange(n_blocks, dtype=jnp.int32)[:, None]
+    meets = (hi > lo)[None, :] & (lo[None, :] < (kb + 1) * BLOCK) & (hi[None, :] > kb * BLOCK)  # [NB, R]
+    some = meets.any(axis=1)
+    r0 = jnp.argmax(meets, axis=1).astype(jnp.int32)
+    r1 = (rows - jnp.argmax(meets[:, ::-1], axis=1)).astype(jnp.int32)
+    zero = jnp.zeros_like(r0)
+    return jnp.stack([jnp.where(some, r0, 0), jnp.where(some, r1, 0)] + [zero] * (SCALARS - 2), axis=1)
+
+
+def _scratch(d: int, dtype, dkv: bool):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tile = _tile()
+    halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(3)]  # q, do, keys
+    sq = [plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tile) for _ in range(2 if dkv else 1)]  # ds (and p)
+    small = [plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32)]
+    if dkv:  # the readers, then per row q, do (halves), lse, delta, ranges
+        small.append(plgpu.SMEM((SCALARS,), jnp.int32))
+        bars = [plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=7), plgpu.Barrier(num_arrivals=2)]
+    else:  # q, do (halves), lse, delta, ranges; a key block's halves
+        bars = [plgpu.Barrier(num_arrivals=7), plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)]
+    return [*halves, *sq, *small, *bars]
+
+
+def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], ranges: Array, *,
+          interpret: bool = False) -> Array:
+    """dq [R, H, D] of rows q, do [R, H, D] (bf16), lse, delta [R, H] float32 over `sources`
+    (each [N, D], N a multiple of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0,
+    then of source 1; hi <= lo: none)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows, h, d = q.shape
+    kernel = functools.partial(_dq_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d)
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), q.dtype), scratch_types=_scratch(d, q.dtype, dkv=False),
+        grid=(rows, h // BLOCK), grid_names=("row", "heads"), num_threads=2, thread_name="wg",
+        interpret=_interpret_params(interpret),
+    )(ranges, q, do, lse, delta, *sources)
+
+
+def dkv_of(q: Array, do: Array, lse: Array, delta: Array, source: Array, ranges: Array, which: int, *,
+           interpret: bool = False) -> Array:
+    """The gradient [N, D] (q's dtype) of `source` [N, D] (K = V: through the logits and the
+    values) from the rows whose range of source `which` (in `ranges`, as `dq_of`'s) covers its
+    keys, every head tile of those rows summed in float32 and rounded once."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _, h, d = q.shape
+    n = source.shape[0]
+    kernel = functools.partial(_dkv_kernel, source=which, scale=d ** -0.5, dtype=q.dtype, d=d,
+                               head_tiles=h // BLOCK)
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((n, d), q.dtype), scratch_types=_scratch(d, q.dtype, dkv=True),
+        grid=(n // BLOCK,), grid_names=("block",), num_threads=2, thread_name="wg",
+        interpret=_interpret_params(interpret),
+    )(readers(ranges, which, n // BLOCK), ranges, q, do, lse, delta, source)
+
+
+def _padded_rows(x: Array) -> Array:
+    """[B, N, D] -> [B * N', D], N' = N rounded up to a multiple of BLOCK (zero rows)."""
+    b, n, d = x.shape
+    pad = -n % BLOCK
+    return jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b * (n + pad), d)
+
+
+def _window_ranges(window_idx: Array, padded: int) -> tuple[Array, Array]:
+    """lo, hi [R] of each row's window in the flattened padded pool (batch row b at b * padded)."""
+    b = window_idx.shape[0]
+    valid = window_idx >= 0
+    lo = jnp.min(jnp.where(valid, window_idx, jnp.iinfo(jnp.int32).max), axis=-1)
+    hi = jnp.max(window_idx, axis=-1) + 1
+    base = (jnp.arange(b, dtype=jnp.int32) * padded)[:, None]
+    some = jnp.any(valid, axis=-1)
+    return jnp.where(some, lo + base, 0).reshape(-1), jnp.where(some, hi + base, 0).reshape(-1)
+
+
+def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, sinks: Array, o: Array, lse: Array,
+                                    do: Array, *, entries: Array | None = None, visible: Array | None = None,
+                                    interpret: bool = False, rotated: int = 0, delta_rotated: Array | None = None,
+                                    do_groups: int | None = None):
+    """`sparse_attention_backward`'s contract (dq, dpool, dsinks, dentries) for the calls
+    `takes` accepts: the window of each query consecutive pool indices (its valid ones), HCA's
+    `visible` entries or none (no picks). See the module doc for the kernels."""
+    b, s, h, d = q.shape
+    rows = b * s
+    if do_groups is not None:  # [G, R, H/G, D] -> [R, H, D]
+        do = do.transpose(1, 0, 2, 3).reshape(rows, h, d)
+    do = do.reshape(rows, h, d).astype(q.dtype)
+    o_rows = o.reshape(rows, h, d)
+    terms = do.astype(jnp.float32) * o_rows.astype(jnp.float32)
+    if rotated:  # o' = M o on the trailing channels: their share comes in as do' . o'
+        delta = jnp.sum(terms[..., : d - rotated], axis=-1) + delta_rotated.reshape(rows, h).astype(jnp.float32)
+    else:
+        delta = jnp.sum(terms, axis=-1)
+    lse_rows = lse.reshape(rows, h).astype(jnp.float32)
+    q_rows = q.reshape(rows, h, d)
+
+    pool_flat = _padded_rows(pool)
+    lo_w, hi_w = _window_ranges(window_idx, pool_flat.shape[0] // b)
+    columns = [lo_w, hi_w]
+    sources = [pool_flat]
+    if entries is not None:
+        ents_flat = _padded_rows(entries)
+        padded = ents_flat.shape[0] // b
+        base = jnp.repeat(jnp.arange(b, dtype=jnp.int32) * padded, s)
+        seen = jnp.clip(visible.reshape(rows).astype(jnp.int32), 0, entries.shape[1])
+        columns += [base, base + seen]
+        sources.append(ents_flat)
+    columns += [jnp.zeros_like(lo_w)] * (SCALARS - len(columns))
+    ranges = jnp.stack(columns, axis=1).astype(jnp.int32)  # [R, SCALARS]
+
+    dq = dq_of(q_rows, do, lse_rows, delta, sources, ranges, interpret=interpret)
+    grads = []
+    for i, src in enumerate(sources):
+        if interpret:  # one kernel at a time: the interpret mode's simulated GPU state is global
+            q_rows, _ = lax.optimization_barrier((q_rows, grads[-1] if grads else dq))
+        grads.append(dkv_of(q_rows, do, lse_rows, delta, src, ranges, i, interpret=interpret))
+    dpool = grads[0].reshape(b, -1, d)[:, : pool.shape[1]].astype(pool.dtype)
+    dentries = None
+    if entries is not None:
+        dentries = grads[1].reshape(b, -1, d)[:, : entries.shape[1]].astype(entries.dtype)
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
+    dsinks = -jnp.sum(p_sink * delta, axis=0)
+    return dq.reshape(b, s, h, d), dpool, dsinks, dentries

@@ -1,0 +1,165 @@
+"""The range backward (`sparse_attention_backward_wgmma`, Mosaic GPU) against the Triton kernel
+and the XLA path's VJP.
+
+On the CPU its kernels run in Mosaic GPU's interpret mode (jax >= 0.12; older interpret modes
+lack transposed wgmma operands, and the tests skip), eagerly: under a jit XLA's CPU thread pool
+can be too small for the simulated warp groups waiting on each other (a hang on 2 cores), so the
+layer takes them in interpret mode only where its backward runs eagerly. On CUDA the compiled
+kernels at V4-Flash size (the GPU test). bf16 only: the cotangents equal the Triton kernel's (interpret mode, up to
+the order of float32 sums) and are as close to the float32 XLA VJP as the Triton kernel's.
+Deviceless compilation for the H200: tests/test_h200_compile.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sparse_attention_backward import kernel_vjp, xla_vjp
+from test_sparse_attention_kernel import ON_GPU, query_inputs
+
+from dsv4_jax import KernelPlan
+from dsv4_jax import sparse_attention as sa
+from dsv4_jax import sparse_attention_backward_wgmma as sabw
+from dsv4_jax import sparse_attention_kernel as sak
+
+needs_interpret = pytest.mark.skipif(not sabw.available(interpret=True),
+                                     reason="Mosaic GPU's interpret mode runs these kernels from jax 0.12")
+NAMES = ("dq", "dpool", "dsinks", "dentries")
+
+
+def bf16(x):
+    return x.astype(jnp.bfloat16)
+
+
+def range_vjp(q, pool, widx, sinks, kwargs, do, interpret):
+    o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kwargs, interpret=interpret, with_lse=True)
+    return sabw.sparse_attention_backward_wgmma(q, pool, widx, sinks, o, lse, do, **kwargs, interpret=interpret)
+
+
+def bf16_inputs(kind, s, starts, h=64, d=128, seed=1):
+    # Window 12; 70 entries: two blocks of 64, the second padded; rows at any position.
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=h, d=d, w=12, t=70, k=0, dtype=jnp.float32, s=s,
+                                                seed=seed, starts=starts)
+    do = jnp.asarray(np.random.default_rng(seed + 2).normal(size=q.shape), jnp.float32)
+    return q, pool, widx, sinks, kwargs, do
+
+
+@needs_interpret
+@pytest.mark.parametrize("kind", ["sliding", "hca"])
+@pytest.mark.parametrize("s, starts", [(1, [0, 30]), (5, [0, 9])], ids=["decode", "prefill"])
+def test_range_kernels_equal_the_triton_kernel(kind, s, starts):
+    assert_like_the_triton_kernel(*bf16_inputs(kind, s, starts))
+
+
+@needs_interpret
+def test_two_head_tiles_sum_their_key_gradients():
+    """128 heads: two tiles of 64, each its own dq programs; a key block's gradient sums both
+    tiles' in float32 (one rounding, as the Triton kernel's)."""
+    assert_like_the_triton_kernel(*bf16_inputs("hca", 2, [0, 9], h=128, d=128))
+
+
+def assert_like_the_triton_kernel(q, pool, widx, sinks, kwargs, do):
+    """The range kernels' bf16 cotangents equal the Triton kernel's (interpret mode) up to 1e-3 of
+    their scale and are as close to the float32 XLA VJP as its are."""
+    want = xla_vjp(q, pool, widx, sinks, kwargs, do)  # float32
+    kw = {k: bf16(v) if k == "entries" else v for k, v in kwargs.items()}
+    args = (bf16(q), bf16(pool), widx, sinks, kw, bf16(do))
+    triton = jax.jit(functools.partial(kernel_vjp, interpret=True, block_keys=16, block_heads=32))(*args)
+    got = range_vjp(*args, interpret=True)
+    for name, g, t, w in zip(NAMES, got, triton, want):
+        if w is None:
+            assert g is None, name
+            continue
+        g, t, w = (np.asarray(x, np.float32) for x in (g, t, w))
+        scale = np.abs(w).max()
+        np.testing.assert_allclose(g, t, rtol=0, atol=1e-3 * scale, err_msg=name)
+        assert np.abs(g - w).max() <= 1.01 * np.abs(t - w).max() + 1e-4 * scale, name
+
+
+@needs_interpret
+@pytest.mark.parametrize("kind", ["sliding", "hca"])
+def test_the_attention_differentiates_through_the_range_kernels(kind, monkeypatch):
+    """`sparse_attention(..., window_contiguous=True)` with ``attention_backward="wgmma"``: the
+    gradient through the custom VJP (output rotation, the cotangent by output group) equals the
+    Triton backward kernel's; eagerly the range kernels run, under a jit (interpret mode) the
+    Triton kernel does."""
+    q, pool, widx, sinks, kwargs, do = bf16_inputs(kind, 4, [0, 9])
+    positions = jnp.asarray(np.array([[0, 1, 2, 3], [9, 10, 11, 12]], np.int32))
+    rotation = sa.OutputRotation(positions, np.asarray([0.9, 0.3, 0.05, 0.01], np.float32), 1.25)
+    kwargs = {k: bf16(v) if k == "entries" else v for k, v in kwargs.items()}
+    calls = []
+    by_ranges = sabw.sparse_attention_backward_wgmma
+    monkeypatch.setattr(sabw, "sparse_attention_backward_wgmma", lambda *a, **k: calls.append(1) or by_ranges(*a, **k))
+
+    def grads(backward, jit=False):
+        plan = KernelPlan(prefill_attention="interpret", attention_backward=backward)
+
+        def loss(q, pool, entries):
+            kw = dict(kwargs, entries=entries) if entries is not None else kwargs
+            o = sa.sparse_attention(q, pool, widx, sinks, **kw, kernels=plan, rotation=rotation, output_groups=2,
+                                    window_contiguous=True).o
+            return jnp.sum(o.astype(jnp.float32) * do)
+
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        return (jax.jit(grad) if jit else grad)(bf16(q), bf16(pool), kwargs.get("entries"))
+
+    got = grads("wgmma")
+    assert calls == [1]
+    assert all(g is None or np.isfinite(np.asarray(g, np.float32)).all() for g in grads("wgmma", jit=True))
+    assert calls == [1]  # traced: the Triton kernel
+    for name, g, t in zip(("dq", "dpool", "dentries"), got, grads("auto", jit=True)):
+        if t is None:
+            assert g is None
+            continue
+        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
+        np.testing.assert_allclose(g, t, rtol=0, atol=2e-3 * np.abs(t).max(), err_msg=name)
+
+
+def test_readers_are_the_rows_whose_range_meets_each_block():
+    rng = np.random.default_rng(0)
+    rows, blocks = 40, 5
+    lo = rng.integers(0, blocks * 64, rows)
+    hi = np.where(rng.random(rows) < 0.2, lo, np.minimum(lo + rng.integers(1, 150, rows), blocks * 64))
+    ranges = np.zeros((rows, sabw.SCALARS), np.int32)
+    ranges[:, 2], ranges[:, 3] = lo, hi  # source 1
+    got = np.asarray(sabw.readers(jnp.asarray(ranges), 1, blocks))
+    for kb in range(blocks):
+        meets = [r for r in range(rows) if hi[r] > lo[r] and lo[r] < (kb + 1) * 64 and hi[r] > kb * 64]
+        want = (meets[0], meets[-1] + 1) if meets else (0, 0)
+        assert tuple(got[kb, :2]) == want, kb
+
+
+def test_the_range_kernels_take_bf16_windows_of_64_heads_without_picks():
+    q = jnp.zeros((1, 2, 64, 128), jnp.bfloat16)
+    picks = jnp.zeros((1, 2, 4), jnp.int32)
+    assert sabw.takes(q, None, window_contiguous=True)
+    assert not sabw.takes(q, picks, window_contiguous=True)  # CSA's picks are scattered
+    assert not sabw.takes(q, None, window_contiguous=False)
+    assert not sabw.takes(q.astype(jnp.float32), None, window_contiguous=True)
+    assert not sabw.takes(jnp.zeros((1, 2, 32, 128), jnp.bfloat16), None, window_contiguous=True)
+    assert not sabw.takes(jnp.zeros((1, 2, 64, 96), jnp.bfloat16), None, window_contiguous=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")
+@pytest.mark.parametrize("kind", ["sliding", "hca"])
+@pytest.mark.parametrize("b, s", [(1, 1), (2, 256)], ids=["decode", "prefill"])
+def test_range_backward_at_flash_sizes(kind, b, s):
+    """V4-Flash (64 heads x 512, window 128, 300 entries), compiled: equal to the Triton kernel's."""
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=b, h=64, d=512, w=128, t=300, k=0, dtype=jnp.bfloat16,
+                                                s=s, seed=5)
+    do = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.bfloat16)
+    args = (q, pool, widx, sinks, kwargs, do)
+    triton = jax.jit(functools.partial(kernel_vjp, interpret=False))(*args)
+    got = jax.jit(functools.partial(range_vjp, interpret=False))(*args)
+    for name, g, t in zip(NAMES, got, triton):
+        if t is None:
+            assert g is None
+            continue
+        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
+        print(f"{kind} b={b} s={s} {name}: max |range - triton| / max |triton| = "
+              f"{np.abs(g - t).max() / np.abs(t).max():.2e}")
+        np.testing.assert_allclose(g, t, rtol=0, atol=2e-2 * np.abs(t).max(), err_msg=name)
