@@ -21,17 +21,20 @@ float32 accumulators of [64, D] would not fit one WG's registers):
         p      exp(round(s) * scale - lse), 0 outside [lo, hi)
         ds     p * (dp - delta) * scale -> SMEM (bf16)
         dq    += ds k[:, half]                              (each WG its half of D, float32)
-    dkv kernel, grid (N / 64): key block kb of a source
-      k [64, D] by TMA; for each query row r whose range meets the block (`readers`), for each
-      head tile h0 (so that dk is summed in float32 and rounded once):
+    dkv kernel, grid (N / 64, splits): key block kb of a source, run j of its reader rows
+      k [64, D] by TMA; for each query row r of the j-th of `splits` runs of the rows whose
+      range meets the block (`readers`; `splits_for`: an HCA entry block is read by every later
+      row), for each head tile h0:
         q, do [64, D], lse, delta by TMA
         s^T, dp^T [64 keys, 64 heads]                       (WG 0)
         p^T, ds^T as above -> SMEM (bf16)
         dk    += ds^T q[:, half] + p^T do[:, half]          (each WG its half; K = V)
-      dk [64, D] written once (bf16)
+      dk [64, D] written once (float32 partial sums, added after and rounded once)
 
 `delta` = sum(do * o) over D is computed before (an XLA pass; the Triton kernel folds it in), and
-the sink's gradient after, as for the Triton kernel. Every source is padded to whole blocks of
+the sink's gradient after, as for the Triton kernel. The cotangent is read where the output
+projection's gradient leaves it, [G, R, H/G, D] (`do_groups`): a tile's heads copied group by
+group (`_copy_cotangent`), no transposed copy first. Every source is padded to whole blocks of
 64 rows (TMA copies aligned tiles: Mosaic GPU needs their starts to be multiples of the
 shared-memory tiling). Numerics as `sparse_attention_backward`'s in bf16: the logits rounded as
 the forward rounds them, p and ds rounded to bf16 for their dots, float32 accumulation.
@@ -58,6 +61,8 @@ from .backend import Array
 
 BLOCK = 64  # keys a block and heads a tile: the M of Hopper's wgmma
 _JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+ROWS_PER_SPLIT = 64  # reader rows a program of the key-gradient kernel takes (each over every head tile)
+PARTIAL_BYTES = 1 << 26  # the key-gradient kernel's float32 partial sums, a source at most
 SCALARS = 32  # int32 a row of the range tables: 128 bytes (jax 0.10's Mosaic GPU copies whole warp-group multiples)
 
 
@@ -82,10 +87,11 @@ def takes(q: Array, picks: Array | None, window_contiguous: bool) -> bool:
             and d % (2 * BLOCK) == 0)
 
 
-def _tile():
+def _tile(dtype=jnp.bfloat16):
+    """Shared-memory tiles of 128-byte rows, swizzled: what wgmma operands and TMA copies want."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
 
 
 def _interpret_params(interpret: bool):
@@ -115,6 +121,36 @@ def _transposed(ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
+def _copies_by_group(group_heads: int) -> bool:
+    """Whether the kernels can read the cotangent in the output groups' layout with H/G heads a
+    group: whole 8-row tiles of the shared memory, a 64-head tile whole groups or within one."""
+    return group_heads % 8 == 0 and (BLOCK % group_heads == 0 or group_heads % BLOCK == 0)
+
+
+def _cotangent_pieces(group_heads: int | None) -> int:
+    """TMA copies of a 64-head tile of the cotangent: 1 from [R, H, D], else one per output group
+    it spans (`group_heads` H/G heads each, from [G, R, H/G, D])."""
+    return 1 if group_heads is None else max(1, BLOCK // group_heads)
+
+
+def _copy_cotangent(do_ref, r, ht, columns, dst, bar, group_heads: int | None):
+    """Row r's heads ht * 64 .. + 63, `columns` of D, into dst [64, D/2]: from do [R, H, D], or
+    group by group from the output groups' layout [G, R, H/G, D] (`group_heads` = H/G a multiple
+    of 8 that divides 64 or that 64 divides: whole tiles of 8 rows of the shared memory)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if group_heads is None:
+        plgpu.copy_gmem_to_smem(do_ref.at[r, pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK), columns], dst, bar)
+        return
+    piece = min(group_heads, BLOCK)
+    for k in range(BLOCK // piece):
+        head = ht * BLOCK + k * piece
+        within = pl.ds(pl.multiple_of(head % group_heads, 8), piece)
+        rows = dst.at[pl.ds(k * piece, piece)]
+        plgpu.copy_gmem_to_smem(do_ref.at[head // group_heads, r, within, columns], rows, bar)
+
+
 def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool):
     """sum_j a_j b_j^T over the halves of D ([2, M, D/2] refs in SMEM) -> float32 [M, N]."""
     from jax.experimental import pallas as pl
@@ -129,7 +165,8 @@ def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool):
     return pl.run_scoped(dots, plgpu.ACC(shape, jnp.float32))
 
 
-def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int, scale: float, dtype, d: int):
+def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int, scale: float, dtype, d: int,
+               group_heads: int | None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -143,7 +180,7 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
     def _():
         for j in range(2):
             plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
-            plgpu.copy_gmem_to_smem(do_ref.at[r, heads, pl.ds(j * half, half)], do_smem.at[j], in_bar)
+            _copy_cotangent(do_ref, r, ht, pl.ds(j * half, half), do_smem.at[j], in_bar, group_heads)
         plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
         plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
         plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
@@ -194,71 +231,82 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_ref, dsrc_ref,
-                q_smem, do_smem, k_smem, ds_smem, p_smem, lse_smem, delta_smem, rng_smem, rd_smem,
-                k_bar, in_bar, sync_bar, *, source: int, scale: float, dtype, d: int, head_tiles: int):
+def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_ref, dsrc_ref, *, source: int,
+                scale: float, dtype, d: int, head_tiles: int, splits: int, group_heads: int | None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    kb, wg = lax.axis_index("block"), lax.axis_index("wg")
+    kb, split, wg = lax.axis_index("block"), lax.axis_index("split"), lax.axis_index("wg")
     half = d // 2
     keys = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
 
-    @pl.when(wg == 0)
-    def _():
-        for j in range(2):
-            plgpu.copy_gmem_to_smem(src_ref.at[keys, pl.ds(j * half, half)], k_smem.at[j], k_bar)
-        plgpu.copy_gmem_to_smem(readers_ref.at[kb], rd_smem, k_bar)
-    plgpu.barrier_wait(k_bar)
-
-    def query_row(i, dk_acc):  # i: row r, head tile ht
-        r, ht = i // head_tiles, i % head_tiles
-        heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
-
+    def accumulate(q_smem, do_smem, k_smem, ds_smem, p_smem, lse_smem, delta_smem, rng_smem, rd_smem, k_bar, in_bar,
+                   sync_bar):
         @pl.when(wg == 0)
         def _():
             for j in range(2):
-                plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
-                plgpu.copy_gmem_to_smem(do_ref.at[r, heads, pl.ds(j * half, half)], do_smem.at[j], in_bar)
-            plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
-            plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
-            plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
-        plgpu.barrier_wait(in_bar)
+                plgpu.copy_gmem_to_smem(src_ref.at[keys, pl.ds(j * half, half)], k_smem.at[j], k_bar)
+            plgpu.copy_gmem_to_smem(readers_ref.at[kb], rd_smem, k_bar)
+        plgpu.barrier_wait(k_bar)
 
-        @pl.when(wg == 0)
-        def _():
-            lo, hi = rng_smem[2 * source], rng_smem[2 * source + 1]
-            st = _dots_over_halves(k_smem, q_smem, (BLOCK, BLOCK), transposed_b=True)  # [keys, heads]
-            dpt = _dots_over_halves(k_smem, do_smem, (BLOCK, BLOCK), transposed_b=True)
-            lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(0))
-            delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(0))
-            key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA)
-            st = (st.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
-            pt = jnp.where((key >= lo) & (key < hi), jnp.exp(st - lax.broadcast_in_dim(lse, st.shape, [1])), 0.0)
-            dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
-            ds_smem[...] = (dst * scale).astype(dtype)
-            p_smem[...] = pt.astype(dtype)
-            plgpu.commit_smem()
-        plgpu.barrier_arrive(sync_bar)
-        plgpu.barrier_wait(sync_bar)
-        plgpu.wgmma(dk_acc, ds_smem, q_smem.at[wg])
-        plgpu.wgmma(dk_acc, p_smem, do_smem.at[wg])
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(sync_bar)  # both warp groups are done with this row's tiles
-        plgpu.barrier_wait(sync_bar)
+        def query_row(i, dk_acc):  # i: row r, head tile ht
+            r, ht = i // head_tiles, i % head_tiles
+            heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
 
-    def loop(dk_acc):
-        lax.fori_loop(rd_smem[0] * head_tiles, rd_smem[1] * head_tiles, lambda i, c: (query_row(i, dk_acc), c)[1], 0)
-        return dk_acc[...]
+            @pl.when(wg == 0)
+            def _():
+                for j in range(2):
+                    plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
+                    _copy_cotangent(do_ref, r, ht, pl.ds(j * half, half), do_smem.at[j], in_bar, group_heads)
+                plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
+                plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
+                plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
+            plgpu.barrier_wait(in_bar)
 
-    dk = pl.run_scoped(loop, plgpu.ACC((BLOCK, half), jnp.float32))
-    plgpu.barrier_arrive(sync_bar)  # k_smem is free in both warp groups
-    plgpu.barrier_wait(sync_bar)
-    out = k_smem.at[wg]
-    out[...] = dk.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out, dsrc_ref.at[keys, pl.ds(wg * half, half)])
-    plgpu.wait_smem_to_gmem(0)
+            @pl.when(wg == 0)
+            def _():
+                lo, hi = rng_smem[2 * source], rng_smem[2 * source + 1]
+                st = _dots_over_halves(k_smem, q_smem, (BLOCK, BLOCK), transposed_b=True)  # [keys, heads]
+                dpt = _dots_over_halves(k_smem, do_smem, (BLOCK, BLOCK), transposed_b=True)
+                lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(0))
+                delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(0))
+                key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA)
+                st = (st.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+                pt = jnp.where((key >= lo) & (key < hi), jnp.exp(st - lax.broadcast_in_dim(lse, st.shape, [1])), 0.0)
+                dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
+                ds_smem[...] = (dst * scale).astype(dtype)
+                p_smem[...] = pt.astype(dtype)
+                plgpu.commit_smem()
+            plgpu.barrier_arrive(sync_bar)
+            plgpu.barrier_wait(sync_bar)
+            plgpu.wgmma(dk_acc, ds_smem, q_smem.at[wg])
+            plgpu.wgmma(dk_acc, p_smem, do_smem.at[wg])
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(sync_bar)  # both warp groups are done with this row's tiles
+            plgpu.barrier_wait(sync_bar)
+
+        def loop(dk_acc):
+            # This split's share of the block's reader rows [r0, r1): `splits` near-equal runs.
+            r0, r1 = rd_smem[0], rd_smem[1]
+            chunk = (r1 - r0 + splits - 1) // splits
+            first = r0 + split * chunk
+            last = jnp.maximum(jnp.minimum(r1, first + chunk), first)
+            lax.fori_loop(first * head_tiles, last * head_tiles, lambda i, c: (query_row(i, dk_acc), c)[1], 0)
+            return dk_acc[...]
+
+        return pl.run_scoped(loop, plgpu.ACC((BLOCK, half), jnp.float32))
+
+    dk = pl.run_scoped(accumulate, *_scratch(d, dtype, dkv=True, group_heads=group_heads), collective_axes="wg")
+
+    def write(out_smem):  # in the shared memory the accumulation used: each warp group its half
+        out = out_smem.at[wg]
+        out[...] = dk
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, dsrc_ref.at[split, keys, pl.ds(wg * half, half)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(write, plgpu.SMEM((2, BLOCK, half), jnp.float32, transforms=_tile(jnp.float32)),
+                  collective_axes="wg")
 
 
 def readers(ranges: Array, source: int, n_blocks: int) -> Array:
@@ -276,8 +324,10 @@ def readers(ranges: Array, source: int, n_blocks: int) -> Array:
     return jnp.stack([jnp.where(some, r0, 0), jnp.where(some, r1, 0)] + [zero] * (SCALARS - 2), axis=1)
 
 
-def _scratch(d: int, dtype, dkv: bool):
+def _scratch(d: int, dtype, dkv: bool, group_heads: int | None):
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    row_copies = 2 + 2 * _cotangent_pieces(group_heads) + 3  # q, do (halves; do by head pieces), lse, delta, ranges
 
     tile = _tile()
     halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(3)]  # q, do, keys
@@ -285,44 +335,57 @@ def _scratch(d: int, dtype, dkv: bool):
     small = [plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32)]
     if dkv:  # the readers, then per row q, do (halves), lse, delta, ranges
         small.append(plgpu.SMEM((SCALARS,), jnp.int32))
-        bars = [plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=7), plgpu.Barrier(num_arrivals=2)]
+        bars = [plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2)]
     else:  # q, do (halves), lse, delta, ranges; a key block's halves
-        bars = [plgpu.Barrier(num_arrivals=7), plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)]
+        bars = [plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)]
     return [*halves, *sq, *small, *bars]
 
 
 def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], ranges: Array, *,
           interpret: bool = False) -> Array:
-    """dq [R, H, D] of rows q, do [R, H, D] (bf16), lse, delta [R, H] float32 over `sources`
-    (each [N, D], N a multiple of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0,
-    then of source 1; hi <= lo: none)."""
+    """dq [R, H, D] of rows q [R, H, D] (bf16), their cotangent do (q's layout, or the output
+    groups' [G, R, H/G, D]), lse, delta [R, H] float32 over `sources` (each [N, D], N a multiple
+    of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0, then of source 1; hi <= lo:
+    none)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows, h, d = q.shape
-    kernel = functools.partial(_dq_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d)
+    group_heads = do.shape[2] if do.ndim == 4 else None
+    kernel = functools.partial(_dq_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d,
+                               group_heads=group_heads)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), q.dtype), scratch_types=_scratch(d, q.dtype, dkv=False),
+        kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), q.dtype),
+        scratch_types=_scratch(d, q.dtype, dkv=False, group_heads=group_heads),
         grid=(rows, h // BLOCK), grid_names=("row", "heads"), num_threads=2, thread_name="wg",
         interpret=_interpret_params(interpret),
     )(ranges, q, do, lse, delta, *sources)
 
 
 def dkv_of(q: Array, do: Array, lse: Array, delta: Array, source: Array, ranges: Array, which: int, *,
-           interpret: bool = False) -> Array:
-    """The gradient [N, D] (q's dtype) of `source` [N, D] (K = V: through the logits and the
-    values) from the rows whose range of source `which` (in `ranges`, as `dq_of`'s) covers its
-    keys, every head tile of those rows summed in float32 and rounded once."""
+           splits: int = 1, interpret: bool = False) -> Array:
+    """The gradient [N, D] float32 of `source` [N, D] (K = V: through the logits and the values)
+    from the rows whose range of source `which` (in `ranges`, as `dq_of`'s) covers its keys: each
+    key block's reader rows in `splits` runs, a program each (float32 partial sums, added here),
+    every head tile of a row summed in the program. do as `dq_of`'s."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     _, h, d = q.shape
     n = source.shape[0]
     kernel = functools.partial(_dkv_kernel, source=which, scale=d ** -0.5, dtype=q.dtype, d=d,
-                               head_tiles=h // BLOCK)
-    return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n, d), q.dtype), scratch_types=_scratch(d, q.dtype, dkv=True),
-        grid=(n // BLOCK,), grid_names=("block",), num_threads=2, thread_name="wg",
+                               head_tiles=h // BLOCK, splits=splits, group_heads=do.shape[2] if do.ndim == 4 else None)
+    partials = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((splits, n, d), jnp.float32),
+        grid=(n // BLOCK, splits), grid_names=("block", "split"), num_threads=2, thread_name="wg",
         interpret=_interpret_params(interpret),
     )(readers(ranges, which, n // BLOCK), ranges, q, do, lse, delta, source)
+    return jnp.sum(partials, axis=0)
+
+
+def splits_for(span: int, n: int, d: int) -> int:
+    """Programs a key block of a source [N, D] gets when at most `span` rows read it: runs of about
+    `ROWS_PER_SPLIT` rows (an HCA entry block is read by every later row of its batch row: one
+    program would walk them all), as many as `PARTIAL_BYTES` of float32 partial sums allow."""
+    return max(1, min(-(-span // ROWS_PER_SPLIT), PARTIAL_BYTES // (n * d * 4)))
 
 
 def _padded_rows(x: Array) -> Array:
@@ -352,11 +415,16 @@ def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, si
     `visible` entries or none (no picks). See the module doc for the kernels."""
     b, s, h, d = q.shape
     rows = b * s
-    if do_groups is not None:  # [G, R, H/G, D] -> [R, H, D]
-        do = do.transpose(1, 0, 2, 3).reshape(rows, h, d)
-    do = do.reshape(rows, h, d).astype(q.dtype)
-    o_rows = o.reshape(rows, h, d)
-    terms = do.astype(jnp.float32) * o_rows.astype(jnp.float32)
+    o_rows = o.reshape(rows, h, d).astype(jnp.float32)
+    if do_groups is not None and _copies_by_group(h // do_groups):  # the kernels read [G, R, H/G, D]
+        do = do.reshape(do_groups, rows, h // do_groups, d).astype(q.dtype)
+        terms = do.astype(jnp.float32) * o_rows.reshape(rows, do_groups, h // do_groups, d).transpose(1, 0, 2, 3)
+        terms = terms.transpose(1, 0, 2, 3).reshape(rows, h, d)  # fused into delta's sum: do stays put
+    else:
+        if do_groups is not None:  # [G, R, H/G, D] -> [R, H, D]
+            do = do.transpose(1, 0, 2, 3)
+        do = do.reshape(rows, h, d).astype(q.dtype)
+        terms = do.astype(jnp.float32) * o_rows
     if rotated:  # o' = M o on the trailing channels: their share comes in as do' . o'
         delta = jnp.sum(terms[..., : d - rotated], axis=-1) + delta_rotated.reshape(rows, h).astype(jnp.float32)
     else:
@@ -378,12 +446,16 @@ def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, si
     columns += [jnp.zeros_like(lo_w)] * (SCALARS - len(columns))
     ranges = jnp.stack(columns, axis=1).astype(jnp.int32)  # [R, SCALARS]
 
+    # The most rows that read one key block: a window's block, its 64 keys' and W - 1 more rows of
+    # its batch row; an entry block, every row of its batch row.
+    spans = [min(s, BLOCK + window_idx.shape[-1] - 1), s]
     dq = dq_of(q_rows, do, lse_rows, delta, sources, ranges, interpret=interpret)
     grads = []
     for i, src in enumerate(sources):
         if interpret:  # one kernel at a time: the interpret mode's simulated GPU state is global
             q_rows, _ = lax.optimization_barrier((q_rows, grads[-1] if grads else dq))
-        grads.append(dkv_of(q_rows, do, lse_rows, delta, src, ranges, i, interpret=interpret))
+        grads.append(dkv_of(q_rows, do, lse_rows, delta, src, ranges, i, interpret=interpret,
+                            splits=splits_for(spans[i], *src.shape)))
     dpool = grads[0].reshape(b, -1, d)[:, : pool.shape[1]].astype(pool.dtype)
     dentries = None
     if entries is not None:

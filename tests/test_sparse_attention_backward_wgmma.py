@@ -62,6 +62,35 @@ def test_two_head_tiles_sum_their_key_gradients():
     assert_like_the_triton_kernel(*bf16_inputs("hca", 2, [0, 9], h=128, d=128))
 
 
+@needs_interpret
+def test_a_key_blocks_reader_rows_split_across_programs_sum_to_the_same_gradient(monkeypatch):
+    """Every later row of its batch row reads an HCA entry block: `splits_for` cuts those rows into
+    runs of ROWS_PER_SPLIT, a program each, whose float32 partial sums are added (here runs of 2
+    rows, so 3 programs a block for 5 rows)."""
+    monkeypatch.setattr(sabw, "ROWS_PER_SPLIT", 2)
+    assert sabw.splits_for(5, 128, 128) == 3
+    assert_like_the_triton_kernel(*bf16_inputs("hca", 5, [0, 9]))
+
+
+@needs_interpret
+@pytest.mark.parametrize("groups", [2, 8])
+def test_the_kernels_read_the_cotangent_by_output_group(groups):
+    """do in the output projection's layout [G, B*S, H/G, D] (`do_groups`): the kernels copy each
+    group's heads into their tile (no transposed copy of do first), with the same gradients."""
+    q, pool, widx, sinks, kwargs, do = bf16_inputs("hca", 3, [0, 9])
+    kw = {k: bf16(v) if k == "entries" else v for k, v in kwargs.items()}
+    q, pool, do = bf16(q), bf16(pool), bf16(do)
+    o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kw, interpret=True, with_lse=True)
+    b, s, h, d = q.shape
+    by_group = do.reshape(b * s, groups, h // groups, d).transpose(1, 0, 2, 3)
+    want = sabw.sparse_attention_backward_wgmma(q, pool, widx, sinks, o, lse, do, **kw, interpret=True)
+    got = sabw.sparse_attention_backward_wgmma(q, pool, widx, sinks, o, lse, by_group, **kw, interpret=True,
+                                               do_groups=groups)
+    for name, g, w in zip(NAMES, got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * np.abs(w).max(), err_msg=name)
+
+
 def assert_like_the_triton_kernel(q, pool, widx, sinks, kwargs, do):
     """The range kernels' bf16 cotangents equal the Triton kernel's (interpret mode) up to 1e-3 of
     their scale and are as close to the float32 XLA VJP as its are."""
