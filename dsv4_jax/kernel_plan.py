@@ -83,7 +83,8 @@ class KernelPlan:
                        it runs: "auto" its backward kernel (`sparse_attention_backward`, where the
                        Triton kernel takes the shapes; interpret mode where the forward is),
                        "wgmma" the Mosaic GPU kernels over key ranges where they take the call
-                       (`sparse_attention_backward_wgmma.takes`: bf16 sliding and HCA layers,
+                       (`sparse_attention_backward_wgmma.takes`: bf16 windows and HCA's entries,
+                       CSA's picks by the Triton kernel beside them,
                        heads a multiple of 64; interpret mode where the forward is, on a jax
                        whose interpret mode runs them), else as "auto" (A/B runs: not yet
                        measured), "xla" the XLA reference's VJP

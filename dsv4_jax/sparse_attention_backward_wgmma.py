@@ -10,7 +10,9 @@ Hopper's warp-group MMA, with no atomics:
   pool[e_t - W + 1 .. e_t] (the valid part), and the decode pool's slots 0..min(t, W-1);
 * HCA's entries: the visible prefix entries[0 .. visible).
 
-(CSA's picks are scattered: its layers keep the Triton kernel.) Two kernels, each a CTA of two
+CSA's picks are scattered: there the Triton kernel takes them (``with_window=False``), its dq
+starting from this module's float32 share of the window (`sparse_attention._by_kernel`). Two
+kernels, each a CTA of two
 warp groups (WG), a head tile of 64 heads (the wgmma's M), D split in two halves of D/2 (the
 float32 accumulators of [64, D] would not fit one WG's registers):
 
@@ -79,12 +81,12 @@ def available(interpret: bool = False) -> bool:
     return not interpret or _JAX_VERSION >= (0, 12)
 
 
-def takes(q: Array, picks: Array | None, window_contiguous: bool) -> bool:
-    """Whether the kernels take this call: bf16, heads a multiple of 64, D a multiple of 128,
-    windows of consecutive pool indices and no CSA picks."""
+def takes(q: Array, window_contiguous: bool) -> bool:
+    """Whether the kernels take this call's window (and HCA's entries): bf16, heads a multiple of
+    64, D a multiple of 128, windows of consecutive pool indices. (CSA's picks are scattered: they
+    stay with the Triton kernel.)"""
     _, _, h, d = q.shape
-    return (window_contiguous and picks is None and q.dtype == jnp.bfloat16 and h % BLOCK == 0
-            and d % (2 * BLOCK) == 0)
+    return window_contiguous and q.dtype == jnp.bfloat16 and h % BLOCK == 0 and d % (2 * BLOCK) == 0
 
 
 def _tile(dtype=jnp.bfloat16):
@@ -165,70 +167,83 @@ def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool):
     return pl.run_scoped(dots, plgpu.ACC(shape, jnp.float32))
 
 
+def _write_halves(value, dst, dtype, wg, half: int):
+    """Each warp group's [64, D/2] half of a result, through shared memory (allocated after the
+    accumulation's scope: its memory, now free) to `dst` in GMEM as `dtype`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def write(out_smem):
+        out = out_smem.at[wg]
+        out[...] = value.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, dst)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(write, plgpu.SMEM((2, BLOCK, half), dtype, transforms=_tile(dtype)), collective_axes="wg")
+
+
 def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int, scale: float, dtype, d: int,
                group_heads: int | None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    sources, (dq_ref, q_smem, do_smem, k_smem, ds_smem, lse_smem, delta_smem, rng_smem, in_bar, k_bar,
-              sync_bar) = refs[:n_sources], refs[n_sources:]
+    sources, dq_ref = refs[:n_sources], refs[n_sources]
     r, ht, wg = lax.axis_index("row"), lax.axis_index("heads"), lax.axis_index("wg")
     half = d // 2
     heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
 
-    @pl.when(wg == 0)
-    def _():
-        for j in range(2):
-            plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
-            _copy_cotangent(do_ref, r, ht, pl.ds(j * half, half), do_smem.at[j], in_bar, group_heads)
-        plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
-        plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
-        plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
-    plgpu.barrier_wait(in_bar)
-
-    def key_block(src_ref, lo, hi, kb, dq_acc):
+    def accumulate(q_smem, do_smem, k_smem, ds_smem, lse_smem, delta_smem, rng_smem, in_bar, k_bar, sync_bar):
         @pl.when(wg == 0)
         def _():
             for j in range(2):
-                plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK),
-                                                   pl.ds(j * half, half)], k_smem.at[j], k_bar)
-        plgpu.barrier_wait(k_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
+                _copy_cotangent(do_ref, r, ht, pl.ds(j * half, half), do_smem.at[j], in_bar, group_heads)
+            plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
+            plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
+            plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
+        plgpu.barrier_wait(in_bar)
 
-        @pl.when(wg == 0)  # the logits and their cotangent once; both warp groups use ds
-        def _():
-            s = _dots_over_halves(q_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
-            dp = _dots_over_halves(do_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
-            lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(1))
-            delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(1))
-            key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA)
-            s = (s.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
-            p = jnp.where((key >= lo) & (key < hi), jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [0])), 0.0)
-            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-            ds_smem[...] = (ds * scale).astype(dtype)
-            plgpu.commit_smem()
-        plgpu.barrier_arrive(sync_bar)
-        plgpu.barrier_wait(sync_bar)
-        plgpu.wgmma(dq_acc, ds_smem, k_smem.at[wg])
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(sync_bar)  # both warp groups are done with k_smem and ds_smem
-        plgpu.barrier_wait(sync_bar)
+        def key_block(src_ref, lo, hi, kb, dq_acc):
+            @pl.when(wg == 0)
+            def _():
+                for j in range(2):
+                    plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK),
+                                                       pl.ds(j * half, half)], k_smem.at[j], k_bar)
+            plgpu.barrier_wait(k_bar)
 
-    def rows_loop(dq_acc):
-        for i, src_ref in enumerate(sources):
-            lo, hi = rng_smem[2 * i], rng_smem[2 * i + 1]
-            first = lo // BLOCK
-            last = jnp.where(hi > lo, (hi + BLOCK - 1) // BLOCK, first)
-            body = functools.partial(key_block, src_ref, lo, hi)
-            lax.fori_loop(first, last, lambda kb, c, body=body: (body(kb, dq_acc), c)[1], 0)
-        return dq_acc[...]
+            @pl.when(wg == 0)  # the logits and their cotangent once; both warp groups use ds
+            def _():
+                s = _dots_over_halves(q_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
+                dp = _dots_over_halves(do_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
+                lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(1))
+                delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(1))
+                key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA)
+                s = (s.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+                p = jnp.where((key >= lo) & (key < hi), jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [0])), 0.0)
+                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+                ds_smem[...] = (ds * scale).astype(dtype)
+                plgpu.commit_smem()
+            plgpu.barrier_arrive(sync_bar)
+            plgpu.barrier_wait(sync_bar)
+            plgpu.wgmma(dq_acc, ds_smem, k_smem.at[wg])
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(sync_bar)  # both warp groups are done with k_smem and ds_smem
+            plgpu.barrier_wait(sync_bar)
 
-    dq = pl.run_scoped(rows_loop, plgpu.ACC((BLOCK, half), jnp.float32))
-    # q_smem is free: both warp groups passed the last block's rendezvous (or read nothing).
-    out = q_smem.at[wg]
-    out[...] = dq.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out, dq_ref.at[r, heads, pl.ds(wg * half, half)])
-    plgpu.wait_smem_to_gmem(0)
+        def rows_loop(dq_acc):
+            for i, src_ref in enumerate(sources):
+                lo, hi = rng_smem[2 * i], rng_smem[2 * i + 1]
+                first = lo // BLOCK
+                last = jnp.where(hi > lo, (hi + BLOCK - 1) // BLOCK, first)
+                body = functools.partial(key_block, src_ref, lo, hi)
+                lax.fori_loop(first, last, lambda kb, c, body=body: (body(kb, dq_acc), c)[1], 0)
+            return dq_acc[...]
+
+        return pl.run_scoped(rows_loop, plgpu.ACC((BLOCK, half), jnp.float32))
+
+    dq = pl.run_scoped(accumulate, *_scratch(d, dtype, dkv=False, group_heads=group_heads), collective_axes="wg")
+    _write_halves(dq, dq_ref.at[r, heads, pl.ds(wg * half, half)], dq_ref.dtype, wg, half)
 
 
 def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_ref, dsrc_ref, *, source: int,
@@ -298,15 +313,7 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_
 
     dk = pl.run_scoped(accumulate, *_scratch(d, dtype, dkv=True, group_heads=group_heads), collective_axes="wg")
 
-    def write(out_smem):  # in the shared memory the accumulation used: each warp group its half
-        out = out_smem.at[wg]
-        out[...] = dk
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, dsrc_ref.at[split, keys, pl.ds(wg * half, half)])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(write, plgpu.SMEM((2, BLOCK, half), jnp.float32, transforms=_tile(jnp.float32)),
-                  collective_axes="wg")
+    _write_halves(dk, dsrc_ref.at[split, keys, pl.ds(wg * half, half)], jnp.float32, wg, half)
 
 
 def readers(ranges: Array, source: int, n_blocks: int) -> Array:
@@ -342,11 +349,11 @@ def _scratch(d: int, dtype, dkv: bool, group_heads: int | None):
 
 
 def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], ranges: Array, *,
-          interpret: bool = False) -> Array:
+          dq_dtype=None, interpret: bool = False) -> Array:
     """dq [R, H, D] of rows q [R, H, D] (bf16), their cotangent do (q's layout, or the output
     groups' [G, R, H/G, D]), lse, delta [R, H] float32 over `sources` (each [N, D], N a multiple
     of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0, then of source 1; hi <= lo:
-    none)."""
+    none). `dq_dtype`: dq's dtype (default q's)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows, h, d = q.shape
@@ -354,8 +361,7 @@ def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], r
     kernel = functools.partial(_dq_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d,
                                group_heads=group_heads)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), q.dtype),
-        scratch_types=_scratch(d, q.dtype, dkv=False, group_heads=group_heads),
+        kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), dq_dtype or q.dtype),
         grid=(rows, h // BLOCK), grid_names=("row", "heads"), num_threads=2, thread_name="wg",
         interpret=_interpret_params(interpret),
     )(ranges, q, do, lse, delta, *sources)
@@ -409,10 +415,12 @@ def _window_ranges(window_idx: Array, padded: int) -> tuple[Array, Array]:
 def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, sinks: Array, o: Array, lse: Array,
                                     do: Array, *, entries: Array | None = None, visible: Array | None = None,
                                     interpret: bool = False, rotated: int = 0, delta_rotated: Array | None = None,
-                                    do_groups: int | None = None):
+                                    do_groups: int | None = None, dq_dtype=None):
     """`sparse_attention_backward`'s contract (dq, dpool, dsinks, dentries) for the calls
     `takes` accepts: the window of each query consecutive pool indices (its valid ones), HCA's
-    `visible` entries or none (no picks). See the module doc for the kernels."""
+    `visible` entries or none (CSA's picks go to the Triton kernel: `sparse_attention._by_kernel`
+    calls both, the window here). `dq_dtype`: dq's dtype (default q's; float32 for a share to be
+    added to another). See the module doc for the kernels."""
     b, s, h, d = q.shape
     rows = b * s
     o_rows = o.reshape(rows, h, d).astype(jnp.float32)
@@ -449,7 +457,7 @@ def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, si
     # The most rows that read one key block: a window's block, its 64 keys' and W - 1 more rows of
     # its batch row; an entry block, every row of its batch row.
     spans = [min(s, BLOCK + window_idx.shape[-1] - 1), s]
-    dq = dq_of(q_rows, do, lse_rows, delta, sources, ranges, interpret=interpret)
+    dq = dq_of(q_rows, do, lse_rows, delta, sources, ranges, dq_dtype=dq_dtype, interpret=interpret)
     grads = []
     for i, src in enumerate(sources):
         if interpret:  # one kernel at a time: the interpret mode's simulated GPU state is global

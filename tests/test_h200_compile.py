@@ -84,12 +84,16 @@ def test_the_backward_kernel_compiles_at_v4_flash_size():
     assert row["triton_calls"] > 0 and any(stage.endswith("(bwd)") for stage in row["stages"])
 
 
-def test_the_range_backward_compiles_at_v4_flash_size():
+@pytest.mark.parametrize("stack, range_kernels", [("hca", 3), ("csa", 2)])
+def test_the_range_backward_compiles_at_v4_flash_size(stack, range_kernels):
     """``attention_backward="wgmma"``: the Mosaic GPU range kernels (`sparse_attention_backward_wgmma`:
-    dq, and dK of the window and of HCA's entries) in the training step, beside the Triton kernels."""
+    dq, and dK of the window and of HCA's entries) in the training step, beside the Triton kernels
+    (CSA: the backward kernel for the picks, after the range kernels for the window)."""
     plan = dataclasses.replace(EVERY_KERNEL, attention_backward="wgmma")
-    row = _census("train", "hca", 1, 512, size="flash", kernels=plan)
-    assert row["custom_call_targets"].get("mosaic_gpu_v2", 0) == 3
+    row = _census("train", stack, 1, 512, size="flash", kernels=plan)
+    by_index = _census("train", stack, 1, 512, size="flash", kernels=EVERY_KERNEL)  # the Triton backward alone
+    assert row["custom_call_targets"].get("mosaic_gpu_v2", 0) == range_kernels
+    assert row["triton_calls"] == by_index["triton_calls"] - (stack == "hca")
 
 
 @pytest.mark.parametrize("stack, batch", [("csa", 1), ("csa", 16), ("hca", 1)])

@@ -41,9 +41,9 @@ def range_vjp(q, pool, widx, sinks, kwargs, do, interpret):
 
 
 def bf16_inputs(kind, s, starts, h=64, d=128, seed=1):
-    # Window 12; 70 entries: two blocks of 64, the second padded; rows at any position.
-    q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=h, d=d, w=12, t=70, k=0, dtype=jnp.float32, s=s,
-                                                seed=seed, starts=starts)
+    # Window 12; 70 entries: two blocks of 64, the second padded; rows at any position; CSA 20 picks.
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=h, d=d, w=12, t=70, k=20 if kind == "csa" else 0,
+                                                dtype=jnp.float32, s=s, seed=seed, starts=starts)
     do = jnp.asarray(np.random.default_rng(seed + 2).normal(size=q.shape), jnp.float32)
     return q, pool, widx, sinks, kwargs, do
 
@@ -110,12 +110,13 @@ def assert_like_the_triton_kernel(q, pool, widx, sinks, kwargs, do):
 
 
 @needs_interpret
-@pytest.mark.parametrize("kind", ["sliding", "hca"])
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
 def test_the_attention_differentiates_through_the_range_kernels(kind, monkeypatch):
     """`sparse_attention(..., window_contiguous=True)` with ``attention_backward="wgmma"``: the
     gradient through the custom VJP (output rotation, the cotangent by output group) equals the
-    Triton backward kernel's; eagerly the range kernels run, under a jit (interpret mode) the
-    Triton kernel does."""
+    Triton backward kernel's and is as close to the float32 XLA gradient; eagerly the range
+    kernels run (CSA: for the window, the Triton kernel for the picks, adding to the window's
+    float32 dq before its one rounding), under a jit (interpret mode) the Triton kernel alone."""
     q, pool, widx, sinks, kwargs, do = bf16_inputs(kind, 4, [0, 9])
     positions = jnp.asarray(np.array([[0, 1, 2, 3], [9, 10, 11, 12]], np.int32))
     rotation = sa.OutputRotation(positions, np.asarray([0.9, 0.3, 0.05, 0.01], np.float32), 1.25)
@@ -124,28 +125,31 @@ def test_the_attention_differentiates_through_the_range_kernels(kind, monkeypatc
     by_ranges = sabw.sparse_attention_backward_wgmma
     monkeypatch.setattr(sabw, "sparse_attention_backward_wgmma", lambda *a, **k: calls.append(1) or by_ranges(*a, **k))
 
-    def grads(backward, jit=False):
-        plan = KernelPlan(prefill_attention="interpret", attention_backward=backward)
+    def grads(backward, jit=False, plan=None, dtype=jnp.bfloat16):
+        plan = plan or KernelPlan(prefill_attention="interpret", attention_backward=backward)
+        kw = {k: v.astype(dtype) if k == "entries" else v for k, v in kwargs.items()}
 
         def loss(q, pool, entries):
-            kw = dict(kwargs, entries=entries) if entries is not None else kwargs
-            o = sa.sparse_attention(q, pool, widx, sinks, **kw, kernels=plan, rotation=rotation, output_groups=2,
-                                    window_contiguous=True).o
+            args = dict(kw, entries=entries) if entries is not None else kw
+            o = sa.sparse_attention(q, pool, widx, sinks, **args, kernels=plan, rotation=rotation, output_groups=2,
+                                    window_contiguous=True, precision=jax.lax.Precision.HIGHEST).o
             return jnp.sum(o.astype(jnp.float32) * do)
 
         grad = jax.grad(loss, argnums=(0, 1, 2))
-        return (jax.jit(grad) if jit else grad)(bf16(q), bf16(pool), kwargs.get("entries"))
+        return (jax.jit(grad) if jit else grad)(q.astype(dtype), pool.astype(dtype), kw.get("entries"))
 
     got = grads("wgmma")
     assert calls == [1]
     assert all(g is None or np.isfinite(np.asarray(g, np.float32)).all() for g in grads("wgmma", jit=True))
     assert calls == [1]  # traced: the Triton kernel
-    for name, g, t in zip(("dq", "dpool", "dentries"), got, grads("auto", jit=True)):
+    want = grads("xla", jit=True, plan=KernelPlan.named("xla"), dtype=jnp.float32)
+    for name, g, t, w in zip(("dq", "dpool", "dentries"), got, grads("auto", jit=True), want):
         if t is None:
             assert g is None
             continue
-        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
+        g, t, w = (np.asarray(x, np.float32) for x in (g, t, w))
         np.testing.assert_allclose(g, t, rtol=0, atol=2e-3 * np.abs(t).max(), err_msg=name)
+        assert np.abs(g - w).max() <= 1.01 * np.abs(t - w).max() + 1e-4 * np.abs(w).max(), name
 
 
 def test_readers_are_the_rows_whose_range_meets_each_block():
@@ -162,15 +166,13 @@ def test_readers_are_the_rows_whose_range_meets_each_block():
         assert tuple(got[kb, :2]) == want, kb
 
 
-def test_the_range_kernels_take_bf16_windows_of_64_heads_without_picks():
+def test_the_range_kernels_take_bf16_windows_of_64_heads():
     q = jnp.zeros((1, 2, 64, 128), jnp.bfloat16)
-    picks = jnp.zeros((1, 2, 4), jnp.int32)
-    assert sabw.takes(q, None, window_contiguous=True)
-    assert not sabw.takes(q, picks, window_contiguous=True)  # CSA's picks are scattered
-    assert not sabw.takes(q, None, window_contiguous=False)
-    assert not sabw.takes(q.astype(jnp.float32), None, window_contiguous=True)
-    assert not sabw.takes(jnp.zeros((1, 2, 32, 128), jnp.bfloat16), None, window_contiguous=True)
-    assert not sabw.takes(jnp.zeros((1, 2, 64, 96), jnp.bfloat16), None, window_contiguous=True)
+    assert sabw.takes(q, window_contiguous=True)
+    assert not sabw.takes(q, window_contiguous=False)
+    assert not sabw.takes(q.astype(jnp.float32), window_contiguous=True)
+    assert not sabw.takes(jnp.zeros((1, 2, 32, 128), jnp.bfloat16), window_contiguous=True)
+    assert not sabw.takes(jnp.zeros((1, 2, 64, 96), jnp.bfloat16), window_contiguous=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")
@@ -191,4 +193,28 @@ def test_range_backward_at_flash_sizes(kind, b, s):
         g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
         print(f"{kind} b={b} s={s} {name}: max |range - triton| / max |triton| = "
               f"{np.abs(g - t).max() / np.abs(t).max():.2e}")
+        np.testing.assert_allclose(g, t, rtol=0, atol=2e-2 * np.abs(t).max(), err_msg=name)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")
+def test_range_backward_with_csa_picks_at_flash_sizes():
+    """CSA at V4-Flash size (512 picks of 1,024 entries), compiled, through the layer's custom VJP:
+    the window by the range kernels and the picks by the Triton kernel equal the Triton kernel alone."""
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=1, h=64, d=512, w=128, t=1024, k=512, dtype=jnp.bfloat16,
+                                                s=256, seed=5)
+    do = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.bfloat16)
+
+    def grads(backward):
+        plan = KernelPlan(prefill_attention="pallas", attention_backward=backward)
+
+        def loss(q, pool, entries):
+            o = sa.sparse_attention(q, pool, widx, sinks, **dict(kwargs, entries=entries), kernels=plan,
+                                    window_contiguous=True).o
+            return jnp.sum(o.astype(jnp.float32) * do)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, pool, kwargs["entries"])
+
+    for name, g, t in zip(("dq", "dpool", "dentries"), grads("wgmma"), grads("auto")):
+        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
+        print(f"csa {name}: max |range + triton - triton| / max |triton| = {np.abs(g - t).max() / np.abs(t).max():.2e}")
         np.testing.assert_allclose(g, t, rtol=0, atol=2e-2 * np.abs(t).max(), err_msg=name)
