@@ -183,6 +183,45 @@ def _write_halves(value, dst, dtype, wg, half: int):
     pl.run_scoped(write, plgpu.SMEM((2, BLOCK, half), dtype, transforms=_tile(dtype)), collective_axes="wg")
 
 
+def _copy_row(gmem, smem, r, ht, bar, wg, group_heads: int | None):
+    """Row r's tile of heads ht * 64 .. + 63 into shared memory, copies issued by warp group 0 and
+    awaited by both: `gmem` (ranges [R, SCALARS], q [R, H, D], do (`_copy_cotangent`), lse and
+    delta [R, H]) into `smem` (the row's ranges, q and do as [2, 64, D/2] halves, lse, delta)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ranges_ref, q_ref, do_ref, lse_ref, delta_ref = gmem
+    rng_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+    half = q_smem.shape[-1]
+    heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
+
+    @pl.when(wg == 0)
+    def _():
+        for j in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], bar)
+            _copy_cotangent(do_ref, r, ht, pl.ds(j * half, half), do_smem.at[j], bar, group_heads)
+        plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, bar)
+        plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, bar)
+        plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, bar)
+    plgpu.barrier_wait(bar)
+
+
+def _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, key_axis: int, scale: float, dtype):
+    """p and ds, rounded to `dtype` for their dots, of the logits s and their cotangent dp (float32
+    [64, 64], keys of block kb along `key_axis`, heads along the other): p = exp(round(s) * scale
+    - lse), 0 for keys outside [lo, hi); ds = p * (dp - delta) * scale."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    heads_axis = 1 - key_axis
+    lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(key_axis))
+    delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(key_axis))
+    key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA)
+    s = (s.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+    p = jnp.where((key >= lo) & (key < hi), jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [heads_axis])), 0.0)
+    ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [heads_axis]))
+    return p.astype(dtype), (ds * scale).astype(dtype)
+
+
 def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int, scale: float, dtype, d: int,
                group_heads: int | None):
     from jax.experimental import pallas as pl
@@ -194,15 +233,8 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
     heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
 
     def accumulate(q_smem, do_smem, k_smem, ds_smem, lse_smem, delta_smem, rng_smem, in_bar, k_bar, sync_bar):
-        @pl.when(wg == 0)
-        def _():
-            for j in range(2):
-                plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
-                _copy_cotangent(do_ref, r, ht, pl.ds(j * half, half), do_smem.at[j], in_bar, group_heads)
-            plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
-            plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
-            plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
-        plgpu.barrier_wait(in_bar)
+        _copy_row((ranges_ref, q_ref, do_ref, lse_ref, delta_ref), (rng_smem, q_smem, do_smem, lse_smem, delta_smem),
+                  r, ht, in_bar, wg, group_heads)
 
         def key_block(src_ref, lo, hi, kb, dq_acc):
             @pl.when(wg == 0)
@@ -214,15 +246,10 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
 
             @pl.when(wg == 0)  # the logits and their cotangent once; both warp groups use ds
             def _():
-                s = _dots_over_halves(q_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
+                s = _dots_over_halves(q_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)  # [heads, keys]
                 dp = _dots_over_halves(do_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
-                lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(1))
-                delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(1))
-                key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA)
-                s = (s.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
-                p = jnp.where((key >= lo) & (key < hi), jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [0])), 0.0)
-                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-                ds_smem[...] = (ds * scale).astype(dtype)
+                _, ds = _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, 1, scale, dtype)
+                ds_smem[...] = ds
                 plgpu.commit_smem()
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
@@ -266,31 +293,18 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_
 
         def query_row(i, dk_acc):  # i: row r, head tile ht
             r, ht = i // head_tiles, i % head_tiles
-            heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
 
-            @pl.when(wg == 0)
-            def _():
-                for j in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[r, heads, pl.ds(j * half, half)], q_smem.at[j], in_bar)
-                    _copy_cotangent(do_ref, r, ht, pl.ds(j * half, half), do_smem.at[j], in_bar, group_heads)
-                plgpu.copy_gmem_to_smem(lse_ref.at[r, heads], lse_smem, in_bar)
-                plgpu.copy_gmem_to_smem(delta_ref.at[r, heads], delta_smem, in_bar)
-                plgpu.copy_gmem_to_smem(ranges_ref.at[r], rng_smem, in_bar)
-            plgpu.barrier_wait(in_bar)
+            _copy_row((ranges_ref, q_ref, do_ref, lse_ref, delta_ref),
+                      (rng_smem, q_smem, do_smem, lse_smem, delta_smem), r, ht, in_bar, wg, group_heads)
 
             @pl.when(wg == 0)
             def _():
                 lo, hi = rng_smem[2 * source], rng_smem[2 * source + 1]
                 st = _dots_over_halves(k_smem, q_smem, (BLOCK, BLOCK), transposed_b=True)  # [keys, heads]
                 dpt = _dots_over_halves(k_smem, do_smem, (BLOCK, BLOCK), transposed_b=True)
-                lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(0))
-                delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(0))
-                key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA)
-                st = (st.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
-                pt = jnp.where((key >= lo) & (key < hi), jnp.exp(st - lax.broadcast_in_dim(lse, st.shape, [1])), 0.0)
-                dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
-                ds_smem[...] = (dst * scale).astype(dtype)
-                p_smem[...] = pt.astype(dtype)
+                pt, dst = _probabilities(st, dpt, lse_smem, delta_smem, kb, lo, hi, 0, scale, dtype)
+                ds_smem[...] = dst
+                p_smem[...] = pt
                 plgpu.commit_smem()
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
