@@ -12,9 +12,8 @@ Hopper's warp-group MMA, with no atomics:
 
 CSA's picks are scattered: there the Triton kernel takes them (``with_window=False``), its dq
 starting from this module's float32 share of the window (`sparse_attention._by_kernel`). Two
-kernels, each a CTA of two
-warp groups (WG), a head tile of 64 heads (the wgmma's M), D split in two halves of D/2 (the
-float32 accumulators of [64, D] would not fit one WG's registers):
+kernels, each a CTA of two warp groups (WG), a head tile of 64 heads (the wgmma's M), D split in
+two halves of D/2 (the float32 accumulators of [64, D] would not fit one WG's registers):
 
     dq kernel, grid (R, H / 64): query row r, heads h0 .. h0+63
       q, do [64, D] and lse, delta [64] by TMA; per source, its key blocks of 64 meeting [lo, hi):
@@ -23,6 +22,7 @@ float32 accumulators of [64, D] would not fit one WG's registers):
         p      exp(round(s) * scale - lse), 0 outside [lo, hi)
         ds     p * (dp - delta) * scale -> SMEM (bf16)
         dq    += ds k[:, half]                              (each WG its half of D, float32)
+      dq [64, D] written once (q's dtype, or float32 for CSA's Triton kernel to add its share)
     dkv kernel, grid (N / 64, splits): key block kb of a source, run j of its reader rows
       k [64, D] by TMA; for each query row r of the j-th of `splits` runs of the rows whose
       range meets the block (`readers`; `splits_for`: an HCA entry block is read by every later
@@ -43,11 +43,14 @@ the forward rounds them, p and ds rounded to bf16 for their dots, float32 accumu
 
 Status (session 52): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
 interpret modes lack transposed wgmma operands) and compiled for the H200 without one (jax
-0.11.2, `bench/deviceless.py`); not yet measured. No software pipelining yet: each TMA copy is
-waited for before its dots (the first thing to add if the kernels are worth keeping). At V4-Flash's
-D = 512 the shared memory is nearly spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB
-of the H200's 227 KiB; dkv: 208 KiB), so a second buffer needs smaller tiles: key blocks of 32 in
-the dq kernel (wgmma's N, and the K of its dq dot), head tiles of 32 in the dkv kernel.
+0.10.2 and 0.11.2, `bench/deviceless.py`); never run on a GPU: not yet gated nor measured
+(DEVELOPING.md, "Next device call"). Each result goes out through shared memory allocated after
+the accumulation's scope (`_write_halves`), so a float32 result needs no room of its own. No
+software pipelining yet: each TMA copy is waited for before its dots (the first thing to add if
+the kernels are worth keeping). At V4-Flash's D = 512 the shared memory is nearly spent (dq: q,
+do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227 KiB; dkv: 208 KiB), so a
+second buffer needs smaller tiles: key blocks of 32 in the dq kernel (wgmma's N, and the K of its
+dq dot), head tiles of 32 in the dkv kernel.
 """
 
 from __future__ import annotations
