@@ -104,8 +104,8 @@ def test_matches_dense_masked_attention(kind, block):
 def test_a_decode_step_reads_its_window_from_the_updated_cache(kind, start):
     """A decode step's keys come from the window cache after the insert, in slot order (slot j,
     -1 while it holds no position), and the XLA path reads that cache without a gathered copy:
-    the same attention as over [cache before in position order | new key] gathered by position, masses included.
-    A prefill keeps the concatenated pool."""
+    the same attention as over [cache before in position order | new key] gathered by position,
+    masses included. A prefill keeps the concatenated pool."""
     rng = np.random.default_rng(start)
     b, h, d, w, t = 2, 3, 8, 4, 6
     q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.float32)

@@ -5,9 +5,10 @@ On the CPU its kernels run in Mosaic GPU's interpret mode (jax >= 0.12; older in
 lack transposed wgmma operands, and the tests skip), eagerly: under a jit XLA's CPU thread pool
 can be too small for the simulated warp groups waiting on each other (a hang on 2 cores), so the
 layer takes them in interpret mode only where its backward runs eagerly. On CUDA the compiled
-kernels at V4-Flash size (the GPU test). bf16 only: the cotangents equal the Triton kernel's (interpret mode, up to
-the order of float32 sums) and are as close to the float32 XLA VJP as the Triton kernel's.
-Deviceless compilation for the H200: tests/test_h200_compile.py.
+kernels at V4-Flash size (the GPU tests). bf16 only: the cotangents equal the Triton kernel's
+(interpret mode, up to the order of float32 sums) and are as close to the float32 XLA VJP as the
+Triton kernel's; CSA's through the layer's custom VJP (the window by ranges, the picks by the
+Triton kernel). Deviceless compilation for the H200: tests/test_h200_compile.py.
 """
 
 from __future__ import annotations
