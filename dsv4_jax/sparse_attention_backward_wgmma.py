@@ -45,12 +45,13 @@ Status (session 52): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0
 interpret modes lack transposed wgmma operands) and compiled for the H200 without one (jax
 0.10.2 and 0.11.2, `bench/deviceless.py`); never run on a GPU: not yet gated nor measured
 (DEVELOPING.md, "Next device call"). Each result goes out through shared memory allocated after
-the accumulation's scope (`_write_halves`), so a float32 result needs no room of its own. No
-software pipelining yet: each TMA copy is waited for before its dots (the first thing to add if
-the kernels are worth keeping). At V4-Flash's D = 512 the shared memory is nearly spent (dq: q,
-do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227 KiB; dkv: 208 KiB), so a
-second buffer needs smaller tiles: key blocks of 32 in the dq kernel (wgmma's N, and the K of its
-dq dot), head tiles of 32 in the dkv kernel.
+the accumulation's scope (`_write_halves`), so a float32 result needs no room of its own. By default
+each TMA copy is waited for before its dots. At V4-Flash's D = 512 the shared memory is nearly
+spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227 KiB; dkv: 208
+KiB), so a second buffer needs smaller tiles: the dq kernel takes 32-key blocks in 2 buffers
+(`dq_of(keys=32, stages=2)`: the next block's copy in flight during this one's dots, every wgmma
+operand then swizzled over 64 bytes), an A/B candidate (`DQ_KEYS, DQ_STAGES`) tested in interpret
+mode and compiled, not measured; the dkv kernel would need head tiles of 32.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ from .backend import Array
 
 BLOCK = 64  # keys a block and heads a tile: the M of Hopper's wgmma
 _JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+# The dq kernel's key blocks and buffers: one buffer of 64 keys (each copy awaited before its
+# dots) until the H200 says otherwise; (32, 2) overlaps the next block's copy with this one's dots
+# in the same shared memory (A/B candidates, both tested).
+DQ_KEYS, DQ_STAGES = 64, 1
 ROWS_PER_SPLIT = 64  # reader rows a program of the key-gradient kernel takes (each over every head tile)
 PARTIAL_BYTES = 1 << 26  # the key-gradient kernel's float32 partial sums, a source at most
 SCALARS = 32  # int32 a row of the range tables: 128 bytes (jax 0.10's Mosaic GPU copies whole warp-group multiples)
@@ -92,11 +97,14 @@ def takes(q: Array, window_contiguous: bool) -> bool:
     return window_contiguous and q.dtype == jnp.bfloat16 and h % BLOCK == 0 and d % (2 * BLOCK) == 0
 
 
-def _tile(dtype=jnp.bfloat16):
-    """Shared-memory tiles of 128-byte rows, swizzled: what wgmma operands and TMA copies want."""
+def _tile(dtype=jnp.bfloat16, columns: int | None = None):
+    """Shared-memory tiles of 8 rows of 128 bytes, swizzled: what wgmma operands and TMA copies
+    want (`columns` fewer than 128 bytes: rows of those, swizzled over their width)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+    per_row = 128 // jnp.dtype(dtype).itemsize
+    columns = per_row if columns is None else min(columns, per_row)
+    return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(columns * jnp.dtype(dtype).itemsize))
 
 
 def _interpret_params(interpret: bool):
@@ -209,16 +217,16 @@ def _copy_row(gmem, smem, r, ht, bar, wg, group_heads: int | None):
     plgpu.barrier_wait(bar)
 
 
-def _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, key_axis: int, scale: float, dtype):
-    """p and ds, rounded to `dtype` for their dots, of the logits s and their cotangent dp (float32
-    [64, 64], keys of block kb along `key_axis`, heads along the other): p = exp(round(s) * scale
-    - lse), 0 for keys outside [lo, hi); ds = p * (dp - delta) * scale."""
+def _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, key_axis: int, scale: float, dtype, keys: int = BLOCK):
+    """p and ds, rounded to `dtype` for their dots, of the logits s and their cotangent dp (float32,
+    64 heads by `keys` keys of block kb along `key_axis`): p = exp(round(s) * scale - lse), 0 for
+    keys outside [lo, hi); ds = p * (dp - delta) * scale."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     heads_axis = 1 - key_axis
     lse = _load(lse_smem, plgpu.Layout.WGMMA.reduce(key_axis))
     delta = _load(delta_smem, plgpu.Layout.WGMMA.reduce(key_axis))
-    key = kb * BLOCK + plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA)
+    key = kb * keys + plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA)
     s = (s.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
     p = jnp.where((key >= lo) & (key < hi), jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [heads_axis])), 0.0)
     ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [heads_axis]))
@@ -226,7 +234,7 @@ def _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, key_axis: int, scale
 
 
 def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int, scale: float, dtype, d: int,
-               group_heads: int | None):
+               group_heads: int | None, keys: int, stages: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -235,44 +243,85 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
     half = d // 2
     heads = pl.ds(pl.multiple_of(ht * BLOCK, BLOCK), BLOCK)
 
-    def accumulate(q_smem, do_smem, k_smem, ds_smem, lse_smem, delta_smem, rng_smem, in_bar, k_bar, sync_bar):
+    def accumulate(q_smem, do_smem, k_smem, ds_smem, lse_smem, delta_smem, rng_smem, in_bar, k_bars, sync_bar):
         _copy_row((ranges_ref, q_ref, do_ref, lse_ref, delta_ref), (rng_smem, q_smem, do_smem, lse_smem, delta_smem),
                   r, ht, in_bar, wg, group_heads)
+        # The row's key blocks, source after source, as one sequence i = 0 .. total - 1.
+        bounds = []  # (first block, blocks, lo, hi) of each source
+        for i in range(n_sources):
+            lo, hi = rng_smem[2 * i], rng_smem[2 * i + 1]
+            first = lo // keys
+            bounds.append((first, jnp.where(hi > lo, (hi + keys - 1) // keys - first, 0), lo, hi))
+        starts = [0]
+        for _, n, _, _ in bounds:
+            starts.append(starts[-1] + n)
+        total = starts[-1]
 
-        def key_block(src_ref, lo, hi, kb, dq_acc):
+        def block_of(i):  # (source, key block, lo, hi) of the sequence's block i
+            which, kb, lo, hi = 0, bounds[0][0] + i, bounds[0][2], bounds[0][3]
+            for j in range(1, n_sources):
+                later = i >= starts[j]
+                which = jnp.where(later, j, which)
+                kb = jnp.where(later, bounds[j][0] + i - starts[j], kb)
+                lo, hi = jnp.where(later, bounds[j][2], lo), jnp.where(later, bounds[j][3], hi)
+            return which, kb, lo, hi
+
+        def fetch(i, slot):  # warp group 0 copies block i into buffer `slot`
+            which, kb, _, _ = block_of(i)
+            rows = pl.ds(pl.multiple_of(kb * keys, keys), keys)
+
+            def copy(src_ref):
+                for h in range(2):
+                    plgpu.copy_gmem_to_smem(src_ref.at[rows, pl.ds(h * half, half)], k_smem.at[slot, h],
+                                            k_bars.at[slot])
+
+            if n_sources == 1:
+                copy(sources[0])
+            for j, src_ref in enumerate(sources if n_sources > 1 else ()):
+                pl.when(which == j)(functools.partial(copy, src_ref))
+
+        if stages > 1:
+            @pl.when((wg == 0) & (total > 0))
+            def _():
+                fetch(0, 0)
+
+        def key_block(i, dq_acc):
+            slot = i % stages
+            _, kb, lo, hi = block_of(i)
+
             @pl.when(wg == 0)
             def _():
-                for j in range(2):
-                    plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK),
-                                                       pl.ds(j * half, half)], k_smem.at[j], k_bar)
-            plgpu.barrier_wait(k_bar)
+                if stages > 1:  # the next block into the other buffer, free since the last rendezvous
+                    @pl.when(i + 1 < total)
+                    def _():
+                        fetch(i + 1, (i + 1) % stages)
+                else:
+                    fetch(i, slot)
+            plgpu.barrier_wait(k_bars.at[slot])
+            k = k_smem.at[slot]
 
             @pl.when(wg == 0)  # the logits and their cotangent once; both warp groups use ds
             def _():
-                s = _dots_over_halves(q_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)  # [heads, keys]
-                dp = _dots_over_halves(do_smem, k_smem, (BLOCK, BLOCK), transposed_b=True)
-                _, ds = _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, 1, scale, dtype)
+                s = _dots_over_halves(q_smem, k, (BLOCK, keys), transposed_b=True)  # [heads, keys]
+                dp = _dots_over_halves(do_smem, k, (BLOCK, keys), transposed_b=True)
+                _, ds = _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, 1, scale, dtype, keys)
                 ds_smem[...] = ds
                 plgpu.commit_smem()
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
-            plgpu.wgmma(dq_acc, ds_smem, k_smem.at[wg])
+            plgpu.wgmma(dq_acc, ds_smem, k.at[wg])
             plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(sync_bar)  # both warp groups are done with k_smem and ds_smem
+            plgpu.barrier_arrive(sync_bar)  # both warp groups are done with this buffer and ds_smem
             plgpu.barrier_wait(sync_bar)
 
         def rows_loop(dq_acc):
-            for i, src_ref in enumerate(sources):
-                lo, hi = rng_smem[2 * i], rng_smem[2 * i + 1]
-                first = lo // BLOCK
-                last = jnp.where(hi > lo, (hi + BLOCK - 1) // BLOCK, first)
-                body = functools.partial(key_block, src_ref, lo, hi)
-                lax.fori_loop(first, last, lambda kb, c, body=body: (body(kb, dq_acc), c)[1], 0)
+            lax.fori_loop(0, total, lambda i, c: (key_block(i, dq_acc), c)[1], 0)
             return dq_acc[...]
 
         return pl.run_scoped(rows_loop, plgpu.ACC((BLOCK, half), jnp.float32))
 
-    dq = pl.run_scoped(accumulate, *_scratch(d, dtype, dkv=False, group_heads=group_heads), collective_axes="wg")
+    scratch = _dq_scratch(d, dtype, group_heads, keys, stages)
+    dq = pl.run_scoped(accumulate, *scratch, collective_axes="wg")
     _write_halves(dq, dq_ref.at[r, heads, pl.ds(wg * half, half)], dq_ref.dtype, wg, half)
 
 
@@ -328,7 +377,7 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_
 
         return pl.run_scoped(loop, plgpu.ACC((BLOCK, half), jnp.float32))
 
-    dk = pl.run_scoped(accumulate, *_scratch(d, dtype, dkv=True, group_heads=group_heads), collective_axes="wg")
+    dk = pl.run_scoped(accumulate, *_dkv_scratch(d, dtype, group_heads), collective_axes="wg")
 
     _write_halves(dk, dsrc_ref.at[split, keys, pl.ds(wg * half, half)], jnp.float32, wg, half)
 
@@ -348,35 +397,53 @@ def readers(ranges: Array, source: int, n_blocks: int) -> Array:
     return jnp.stack([jnp.where(some, r0, 0), jnp.where(some, r1, 0)] + [zero] * (SCALARS - 2), axis=1)
 
 
-def _scratch(d: int, dtype, dkv: bool, group_heads: int | None):
+def _dq_scratch(d: int, dtype, group_heads: int | None, keys: int, stages: int):
+    """The dq kernel's shared memory: q, do as [2, 64, D/2] halves, `stages` key blocks [2, keys,
+    D/2], ds [64, keys], lse, delta, the row's ranges; barriers for the row's copies, each key
+    buffer's and the warp groups' rendezvous. One swizzle for every wgmma operand (Mosaic GPU's
+    wgmma wants A's and B's alike): ds's rows of `keys` set it (32 keys: 64 bytes)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    tile = _tile(dtype, keys)
     row_copies = 2 + 2 * _cotangent_pieces(group_heads) + 3  # q, do (halves; do by head pieces), lse, delta, ranges
+    halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(2)]  # q, do
+    return [*halves, plgpu.SMEM((stages, 2, keys, d // 2), dtype, transforms=tile),
+            plgpu.SMEM((BLOCK, keys), dtype, transforms=tile),
+            plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32),
+            plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2)]
+
+
+def _dkv_scratch(d: int, dtype, group_heads: int | None):
+    """The key-gradient kernel's shared memory: q, do and the key block as [2, 64, D/2] halves,
+    ds and p [64, 64], lse, delta, the row's ranges, the block's readers; barriers for the block's
+    copies, each row's and the warp groups' rendezvous."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tile = _tile()
+    row_copies = 2 + 2 * _cotangent_pieces(group_heads) + 3  # q, do (halves; do by head pieces), lse, delta, ranges
     halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(3)]  # q, do, keys
-    sq = [plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tile) for _ in range(2 if dkv else 1)]  # ds (and p)
-    small = [plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32)]
-    if dkv:  # the readers, then per row q, do (halves), lse, delta, ranges
-        small.append(plgpu.SMEM((SCALARS,), jnp.int32))
-        bars = [plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2)]
-    else:  # q, do (halves), lse, delta, ranges; a key block's halves
-        bars = [plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)]
-    return [*halves, *sq, *small, *bars]
+    squares = [plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tile) for _ in range(2)]  # ds, p
+    small = [plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32),
+             plgpu.SMEM((SCALARS,), jnp.int32)]
+    # The key block's halves and its readers; a row's copies; the rendezvous.
+    bars = [plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2)]
+    return [*halves, *squares, *small, *bars]
 
 
 def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], ranges: Array, *,
-          dq_dtype=None, interpret: bool = False) -> Array:
+          dq_dtype=None, keys: int = DQ_KEYS, stages: int = DQ_STAGES, interpret: bool = False) -> Array:
     """dq [R, H, D] of rows q [R, H, D] (bf16), their cotangent do (q's layout, or the output
     groups' [G, R, H/G, D]), lse, delta [R, H] float32 over `sources` (each [N, D], N a multiple
     of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0, then of source 1; hi <= lo:
-    none). `dq_dtype`: dq's dtype (default q's)."""
+    none). `dq_dtype`: dq's dtype (default q's). `keys` a key block (64 or 32) and `stages` key
+    buffers (2: the next block's copy overlaps this one's dots; at D = 512 only with 32 keys)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows, h, d = q.shape
     group_heads = do.shape[2] if do.ndim == 4 else None
     kernel = functools.partial(_dq_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d,
-                               group_heads=group_heads)
+                               group_heads=group_heads, keys=keys, stages=stages)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), dq_dtype or q.dtype),
         grid=(rows, h // BLOCK), grid_names=("row", "heads"), num_threads=2, thread_name="wg",

@@ -92,6 +92,28 @@ def test_the_kernels_read_the_cotangent_by_output_group(groups):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * np.abs(w).max(), err_msg=name)
 
 
+@needs_interpret
+@pytest.mark.parametrize("kind", ["sliding", "hca"])
+@pytest.mark.parametrize("keys, stages", [(32, 2), (32, 1)])
+def test_the_dq_kernel_in_32_key_blocks_double_buffered_gives_the_same_dq(kind, keys, stages, monkeypatch):
+    """The dq kernel's other blocking (`dq_of(keys=, stages=)`, an A/B candidate): 32-key blocks,
+    the next one's copy in flight while this one's dots run (2 buffers), across the window and
+    HCA's entries as one sequence of blocks: dq equal to the default's up to the order of its
+    float32 sums."""
+    q, pool, widx, sinks, kwargs, do = bf16_inputs(kind, 5, [0, 9])
+    kw = {k: bf16(v) if k == "entries" else v for k, v in kwargs.items()}
+    q, pool, do = bf16(q), bf16(pool), bf16(do)
+    o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kw, interpret=True, with_lse=True)
+
+    def dq():
+        return np.asarray(sabw.sparse_attention_backward_wgmma(q, pool, widx, sinks, o, lse, do, **kw, interpret=True,
+                                                               dq_dtype=jnp.float32)[0])
+
+    want = dq()
+    monkeypatch.setattr(sabw, "dq_of", functools.partial(sabw.dq_of, keys=keys, stages=stages))
+    np.testing.assert_allclose(dq(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def assert_like_the_triton_kernel(q, pool, widx, sinks, kwargs, do):
     """The range kernels' bf16 cotangents equal the Triton kernel's (interpret mode) up to 1e-3 of
     their scale and are as close to the float32 XLA VJP as its are."""
@@ -195,6 +217,23 @@ def test_range_backward_at_flash_sizes(kind, b, s):
         print(f"{kind} b={b} s={s} {name}: max |range - triton| / max |triton| = "
               f"{np.abs(g - t).max() / np.abs(t).max():.2e}")
         np.testing.assert_allclose(g, t, rtol=0, atol=2e-2 * np.abs(t).max(), err_msg=name)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")
+def test_range_backward_double_buffered_at_flash_sizes(monkeypatch):
+    """The dq kernel's A/B candidate, 32-key blocks in 2 buffers (`dq_of(keys=32, stages=2)`),
+    compiled at V4-Flash size (HCA prefill: the window and the entries as one sequence of blocks):
+    equal to the default blocking's dq."""
+    q, pool, widx, sinks, kwargs = query_inputs("hca", b=2, h=64, d=512, w=128, t=300, k=0, dtype=jnp.bfloat16,
+                                                s=256, seed=5)
+    do = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.bfloat16)
+    args = (q, pool, widx, sinks, kwargs, do)
+    want = jax.jit(functools.partial(range_vjp, interpret=False))(*args)
+    monkeypatch.setattr(sabw, "dq_of", functools.partial(sabw.dq_of, keys=32, stages=2))
+    got = jax.jit(functools.partial(range_vjp, interpret=False))(*args)
+    for name, g, w in zip(NAMES, got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-2 * np.abs(w).max(), err_msg=name)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")
