@@ -308,11 +308,12 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 do = _derotate_transpose(do, positions.reshape(1, b * s), *rotation)
                 delta_rotated = delta_rotated.transpose(1, 0, 2).reshape(b, s, h)
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
-            if by_ranges(q, picks) and picks is None:
-                return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
-                    q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible, interpret=interpret,
-                    do_groups=output_groups, **extra)
-            if by_ranges(q, picks):  # CSA: the window by ranges, the picked entries by index
+            if by_ranges(q, picks):
+                if picks is None:
+                    return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
+                        q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible,
+                        interpret=interpret, do_groups=output_groups, **extra)
+                # CSA: the window by ranges, the picked entries by index
                 dq_window, dpool, dsinks, _ = sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
                     q, pool, window_idx, sinks, o, lse, do, interpret=interpret, do_groups=output_groups,
                     dq_dtype=jnp.float32, **extra)

@@ -217,6 +217,12 @@ def _copy_row(gmem, smem, r, ht, bar, wg, group_heads: int | None):
     plgpu.barrier_wait(bar)
 
 
+def _row_copies(group_heads: int | None) -> int:
+    """The TMA copies `_copy_row` issues for a row tile (its barrier's arrivals): q's and do's
+    halves (do by head pieces), lse, delta and the ranges."""
+    return 2 + 2 * _cotangent_pieces(group_heads) + 3
+
+
 def _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, key_axis: int, scale: float, dtype, keys: int = BLOCK):
     """p and ds, rounded to `dtype` for their dots, of the logits s and their cotangent dp (float32,
     64 heads by `keys` keys of block kb along `key_axis`): p = exp(round(s) * scale - lse), 0 for
@@ -405,7 +411,7 @@ def _dq_scratch(d: int, dtype, group_heads: int | None, keys: int, stages: int):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tile = _tile(dtype, keys)
-    row_copies = 2 + 2 * _cotangent_pieces(group_heads) + 3  # q, do (halves; do by head pieces), lse, delta, ranges
+    row_copies = _row_copies(group_heads)
     halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(2)]  # q, do
     return [*halves, plgpu.SMEM((stages, 2, keys, d // 2), dtype, transforms=tile),
             plgpu.SMEM((BLOCK, keys), dtype, transforms=tile),
@@ -421,7 +427,7 @@ def _dkv_scratch(d: int, dtype, group_heads: int | None):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tile = _tile()
-    row_copies = 2 + 2 * _cotangent_pieces(group_heads) + 3  # q, do (halves; do by head pieces), lse, delta, ranges
+    row_copies = _row_copies(group_heads)
     halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(3)]  # q, do, keys
     squares = [plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tile) for _ in range(2)]  # ds, p
     small = [plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32),
