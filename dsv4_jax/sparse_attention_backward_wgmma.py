@@ -74,6 +74,7 @@ DQ_KEYS, DQ_STAGES = 64, 1
 ROWS_PER_SPLIT = 64  # reader rows a program of the key-gradient kernel takes (each over every head tile)
 PARTIAL_BYTES = 1 << 26  # the key-gradient kernel's float32 partial sums, a source at most
 SCALARS = 32  # int32 a row of the range tables: 128 bytes (jax 0.10's Mosaic GPU copies whole warp-group multiples)
+ZERO = SCALARS - 1  # a range-table column that is always 0: `_opaque_zero`
 
 
 def available(interpret: bool = False) -> bool:
@@ -164,15 +165,28 @@ def _copy_cotangent(do_ref, r, ht, columns, dst, bar, group_heads: int | None):
         plgpu.copy_gmem_to_smem(do_ref.at[head // group_heads, r, within, columns], rows, bar)
 
 
-def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool):
-    """sum_j a_j b_j^T over the halves of D ([2, M, D/2] refs in SMEM) -> float32 [M, N]."""
+def _opaque_zero(rng_smem):
+    """0, read from the row's range table in shared memory, where the compiler cannot see it is.
+
+    A wgmma instruction (K = 16) takes 64-bit descriptors of its operands' shared memory: 32 of
+    them for a [64, 512] operand. Where a buffer's address is fixed, LLVM hoists its descriptors
+    out of the loops, and the kernels ran out of registers (ptxas at 255 a thread, 700-820 bytes
+    spilled by each kernel at V4-Flash size, jax 0.11.2). Indexing the buffers with this value
+    after each wait keeps the descriptors in the loop body, made where they are used (no spills:
+    dq 244 registers, dkv 250)."""
+    return rng_smem[ZERO]
+
+
+def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool, zero=0):
+    """sum_j a_j b_j^T over the halves of D ([2, M, D/2] refs in SMEM) -> float32 [M, N]. `zero`:
+    `_opaque_zero`, added to the halves' index."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def dots(acc_ref):
         for j in range(2):
-            b = b_halves.at[j]
-            plgpu.wgmma(acc_ref, a_halves.at[j], _transposed(b) if transposed_b else b)
+            b = b_halves.at[j + zero]
+            plgpu.wgmma(acc_ref, a_halves.at[j + zero], _transposed(b) if transposed_b else b)
         return acc_ref[...]
 
     return pl.run_scoped(dots, plgpu.ACC(shape, jnp.float32))
@@ -304,18 +318,19 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
                 else:
                     fetch(i, slot)
             plgpu.barrier_wait(k_bars.at[slot])
-            k = k_smem.at[slot]
+            zero = _opaque_zero(rng_smem)
+            k = k_smem.at[slot + zero]
 
             @pl.when(wg == 0)  # the logits and their cotangent once; both warp groups use ds
             def _():
-                s = _dots_over_halves(q_smem, k, (BLOCK, keys), transposed_b=True)  # [heads, keys]
-                dp = _dots_over_halves(do_smem, k, (BLOCK, keys), transposed_b=True)
+                s = _dots_over_halves(q_smem, k, (BLOCK, keys), transposed_b=True, zero=zero)  # [heads, keys]
+                dp = _dots_over_halves(do_smem, k, (BLOCK, keys), transposed_b=True, zero=zero)
                 _, ds = _probabilities(s, dp, lse_smem, delta_smem, kb, lo, hi, 1, scale, dtype, keys)
                 ds_smem[...] = ds
                 plgpu.commit_smem()
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
-            plgpu.wgmma(dq_acc, ds_smem, k.at[wg])
+            plgpu.wgmma(dq_acc, ds_smem, k.at[wg + zero])
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(sync_bar)  # both warp groups are done with this buffer and ds_smem
             plgpu.barrier_wait(sync_bar)
@@ -355,19 +370,21 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_
             _copy_row((ranges_ref, q_ref, do_ref, lse_ref, delta_ref),
                       (rng_smem, q_smem, do_smem, lse_smem, delta_smem), r, ht, in_bar, wg, group_heads)
 
+            zero = _opaque_zero(rng_smem)
+
             @pl.when(wg == 0)
             def _():
                 lo, hi = rng_smem[2 * source], rng_smem[2 * source + 1]
-                st = _dots_over_halves(k_smem, q_smem, (BLOCK, BLOCK), transposed_b=True)  # [keys, heads]
-                dpt = _dots_over_halves(k_smem, do_smem, (BLOCK, BLOCK), transposed_b=True)
+                st = _dots_over_halves(k_smem, q_smem, (BLOCK, BLOCK), transposed_b=True, zero=zero)  # [keys, heads]
+                dpt = _dots_over_halves(k_smem, do_smem, (BLOCK, BLOCK), transposed_b=True, zero=zero)
                 pt, dst = _probabilities(st, dpt, lse_smem, delta_smem, kb, lo, hi, 0, scale, dtype)
                 ds_smem[...] = dst
                 p_smem[...] = pt
                 plgpu.commit_smem()
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
-            plgpu.wgmma(dk_acc, ds_smem, q_smem.at[wg])
-            plgpu.wgmma(dk_acc, p_smem, do_smem.at[wg])
+            plgpu.wgmma(dk_acc, ds_smem, q_smem.at[wg + zero])
+            plgpu.wgmma(dk_acc, p_smem, do_smem.at[wg + zero])
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(sync_bar)  # both warp groups are done with this row's tiles
             plgpu.barrier_wait(sync_bar)
@@ -442,7 +459,7 @@ def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], r
     """dq [R, H, D] of rows q [R, H, D] (bf16), their cotangent do (q's layout, or the output
     groups' [G, R, H/G, D]), lse, delta [R, H] float32 over `sources` (each [N, D], N a multiple
     of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0, then of source 1; hi <= lo:
-    none). `dq_dtype`: dq's dtype (default q's). `keys` a key block (64 or 32) and `stages` key
+    none; column ZERO 0). `dq_dtype`: dq's dtype (default q's). `keys` a key block (64 or 32) and `stages` key
     buffers (2: the next block's copy overlaps this one's dots; at D = 512 only with 32 keys)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

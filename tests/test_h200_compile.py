@@ -104,3 +104,37 @@ def test_the_default_decode_blocks_compile_at_v4_flash_size(stack, batch):
     row = _census("decode", stack, batch, 256, size="flash")
     assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
     assert row["triton_calls"] >= (3 if stack == "csa" else 2)  # attention + one pooling per compressor
+
+
+@pytest.mark.parametrize("kernel", ["dq", "dkv"])
+def test_the_range_kernels_keep_their_registers(kernel, tmp_path, monkeypatch):
+    """The range backward's kernels at V4-Flash size compile without spilling registers (ptxas's
+    report, through Mosaic GPU's dump): a [64, 512] wgmma operand takes 32 descriptors of 64 bits,
+    and hoisted out of the loops they spilled 700-820 bytes a thread (`_opaque_zero`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench import deviceless
+    from dsv4_jax import sparse_attention_backward_wgmma as sabw
+
+    if not sabw.available():
+        pytest.skip("no Mosaic GPU Pallas API in this jax")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    device = deviceless.target_device("h200")
+    rows, h, d, n = 256, 64, 512, 512
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+    args = (arg((rows, h, d), jnp.bfloat16), arg((8, rows, h // 8, d), jnp.bfloat16), arg((rows, h), jnp.float32),
+            arg((rows, h), jnp.float32), arg((n, d), jnp.bfloat16), arg((rows, sabw.SCALARS), jnp.int32))
+    if kernel == "dq":
+        fn = lambda q, do, lse, delta, src, ranges: sabw.dq_of(q, do, lse, delta, [src], ranges)  # noqa: E731
+    else:
+        fn = lambda q, do, lse, delta, src, ranges: sabw.dkv_of(q, do, lse, delta, src, ranges, 0, splits=2)  # noqa: E731
+    with deviceless.pretend_gpu():
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()
+    reports = [p.read_text() for p in tmp_path.rglob("*ptxas*")]
+    assert reports, f"no ptxas report in {sorted(p.name for p in tmp_path.iterdir())}"
+    assert "0 bytes spill stores, 0 bytes spill loads" in reports[-1], reports[-1]
