@@ -51,7 +51,10 @@ spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227
 KiB), so a second buffer needs smaller tiles: the dq kernel takes 32-key blocks in 2 buffers
 (`dq_of(keys=32, stages=2)`: the next block's copy in flight during this one's dots, every wgmma
 operand then swizzled over 64 bytes), an A/B candidate (`DQ_KEYS, DQ_STAGES`) tested in interpret
-mode and compiled, not measured; the dkv kernel would need head tiles of 32.
+mode and compiled, not measured; the dkv kernel would need head tiles of 32. Session 54: both
+kernels spilled registers (255 a thread, the wgmma descriptors of fixed buffers hoisted out of
+the loops); the buffers are now indexed through `_opaque_zero` and neither spills (checked on a
+deviceless compile, tests/test_h200_compile.py).
 """
 
 from __future__ import annotations
