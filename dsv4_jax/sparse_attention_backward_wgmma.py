@@ -180,7 +180,7 @@ def _opaque_zero(rng_smem):
     return rng_smem[ZERO]
 
 
-def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool, zero=0):
+def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool, zero):
     """sum_j a_j b_j^T over the halves of D ([2, M, D/2] refs in SMEM) -> float32 [M, N]. `zero`:
     `_opaque_zero`, added to the halves' index."""
     from jax.experimental import pallas as pl
