@@ -51,7 +51,7 @@ if _ROOT not in sys.path:
 from bench import hlo_census  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import native  # noqa: E402
-from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
+from dsv4_jax.kernel_plan import BACKWARD_CHOICES, KernelPlan, as_kernel_plan  # noqa: E402
 
 TARGETS = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h200.txtpb")}
 ATTACHED = "attached"  # target: the GPU of this machine
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the Pallas decode kernel for every decode shape it takes (as bench/stack.py's)")
     ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
                     help="blocks of every decode step the kernel runs (as bench/stack.py's)")
+    ap.add_argument("--attention-backward", default=None, choices=BACKWARD_CHOICES,
+                    help="train: the sparse attention's backward (KernelPlan.attention_backward; as bench/train.py's)")
     ap.add_argument("--target", choices=[*sorted(TARGETS), ATTACHED], default="h200",
                     help="the GPU described in bench/targets/, or 'attached': this machine's own (no pretence)")
     ap.add_argument("--autotune", default=None, metavar="TEXTPROTO",
@@ -243,6 +245,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tokens = args.tokens or ("16384" if args.scenario == "decode" else "4096")
     kernels = stack_mod.kernel_plan(args) if args.decode_kernel or args.decode_blocks else "auto"
+    if args.attention_backward:
+        kernels = dataclasses.replace(as_kernel_plan(kernels), attention_backward=args.attention_backward)
     rows = []
     for kind in args.stacks.split(","):
         for batch in (int(b) for b in args.batches.split(",")):

@@ -15,7 +15,7 @@ starting from this module's float32 share of the window (`sparse_attention._by_k
 kernels, each a CTA of two warp groups (WG), a head tile of 64 heads (the wgmma's M), D split in
 two halves of D/2 (the float32 accumulators of [64, D] would not fit one WG's registers):
 
-    dq kernel, grid (R, H / 64): query row r, heads h0 .. h0+63
+    dq kernel, grid (H / 64, R): query row r, heads h0 .. h0+63
       q, do [64, D] and lse, delta [64] by TMA; per source, its key blocks of 64 meeting [lo, hi):
         k      [64, D]     by TMA (aligned block of the padded source)
         s, dp  [64, 64]    q k^T, do k^T                   (WG 0; float32)
@@ -23,7 +23,7 @@ two halves of D/2 (the float32 accumulators of [64, D] would not fit one WG's re
         ds     p * (dp - delta) * scale -> SMEM (bf16)
         dq    += ds k[:, half]                              (each WG its half of D, float32)
       dq [64, D] written once (q's dtype, or float32 for CSA's Triton kernel to add its share)
-    dkv kernel, grid (N / 64, splits): key block kb of a source, run j of its reader rows
+    dkv kernel, grid (splits, N / 64): key block kb of a source, run j of its reader rows
       k [64, D] by TMA; for each query row r of the j-th of `splits` runs of the rows whose
       range meets the block (`readers`; `splits_for`: an HCA entry block is read by every later
       row), for each head tile h0:
@@ -38,13 +38,19 @@ the sink's gradient after, as for the Triton kernel. The cotangent is read where
 projection's gradient leaves it, [G, R, H/G, D] (`do_groups`): a tile's heads copied group by
 group (`_copy_cotangent`), no transposed copy first. Every source is padded to whole blocks of
 64 rows (TMA copies aligned tiles: Mosaic GPU needs their starts to be multiples of the
-shared-memory tiling). Numerics as `sparse_attention_backward`'s in bf16: the logits rounded as
-the forward rounds them, p and ds rounded to bf16 for their dots, float32 accumulation.
+shared-memory tiling). The rows and the key blocks are the grids' last axes: Mosaic GPU launches
+a grid's last axis as CUDA's x (up to 2^31 - 1 blocks) and the others as y and z (up to 65,535:
+a batch of 4 rows of 16k with the rows first failed to launch on the H200, session 55).
+Numerics as `sparse_attention_backward`'s in bf16: the logits rounded as the forward rounds
+them, p and ds rounded to bf16 for their dots, float32 accumulation.
 
-Status (session 52): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
-interpret modes lack transposed wgmma operands) and compiled for the H200 without one (jax
-0.10.2 and 0.11.2, `bench/deviceless.py`); never run on a GPU: not yet gated nor measured
-(DEVELOPING.md, "Next device call"). Each result goes out through shared memory allocated after
+Status (session 55): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
+interpret modes lack transposed wgmma operands), compiled for the H200 without one (jax 0.10.2 and
+0.11.2, `bench/deviceless.py`), and on the H200 equal to the Triton kernel at V4-Flash size (its GPU
+tests) and measured in the training step (bench/RESULTS.md "Training", session 55): 6-10% faster
+than the Triton kernel for HCA at 4k B = 4 and 16k B = 1, level at 4k B = 1, 1-3% slower for CSA
+(the window alone), 0.4-6.8 GB more peak memory a 4-layer step and 3-4x the compile time; opt-in
+for now. Each result goes out through shared memory allocated after
 the accumulation's scope (`_write_halves`), so a float32 result needs no room of its own. By default
 each TMA copy is waited for before its dots. At V4-Flash's D = 512 the shared memory is nearly
 spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227 KiB; dkv: 208
@@ -472,7 +478,7 @@ def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], r
                                group_heads=group_heads, keys=keys, stages=stages)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), dq_dtype or q.dtype),
-        grid=(rows, h // BLOCK), grid_names=("row", "heads"), num_threads=2, thread_name="wg",
+        grid=(h // BLOCK, rows), grid_names=("heads", "row"), num_threads=2, thread_name="wg",
         interpret=_interpret_params(interpret),
     )(ranges, q, do, lse, delta, *sources)
 
@@ -491,7 +497,7 @@ def dkv_of(q: Array, do: Array, lse: Array, delta: Array, source: Array, ranges:
                                head_tiles=h // BLOCK, splits=splits, group_heads=do.shape[2] if do.ndim == 4 else None)
     partials = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, n, d), jnp.float32),
-        grid=(n // BLOCK, splits), grid_names=("block", "split"), num_threads=2, thread_name="wg",
+        grid=(splits, n // BLOCK), grid_names=("split", "block"), num_threads=2, thread_name="wg",
         interpret=_interpret_params(interpret),
     )(readers(ranges, which, n // BLOCK), ranges, q, do, lse, delta, source)
     return jnp.sum(partials, axis=0)

@@ -189,6 +189,29 @@ def test_readers_are_the_rows_whose_range_meets_each_block():
         assert tuple(got[kb, :2]) == want, kb
 
 
+def test_the_rows_and_key_blocks_launch_on_cudas_x_axis(monkeypatch):
+    """Mosaic GPU launches a grid's last axis as CUDA's x (up to 2^31 - 1 blocks), the others as y
+    and z (up to 65,535). With the rows first, 4 rows of 16k (65,536 query rows) failed to launch
+    on the H200 (CUDA_ERROR_INVALID_VALUE, session 55). Traced abstractly (no kernel runs)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    grids = {}
+
+    def kernel(body, *, out_type, grid, grid_names, **_):
+        grids[grid_names] = grid
+        return lambda *args: jnp.zeros(out_type.shape, out_type.dtype)
+
+    monkeypatch.setattr(plgpu, "kernel", kernel)
+    rows, n, h, d = 4 * 16384 + 64, 70000 * 64, 128, 512
+    q = jax.ShapeDtypeStruct((rows, h, d), jnp.bfloat16)
+    stats = jax.ShapeDtypeStruct((rows, h), jnp.float32)
+    source = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+    ranges = jax.ShapeDtypeStruct((rows, sabw.SCALARS), jnp.int32)
+    jax.eval_shape(lambda *a: sabw.dq_of(*a[:4], [a[4]], a[5]), q, q, stats, stats, source, ranges)
+    jax.eval_shape(lambda *a: sabw.dkv_of(*a, 0, splits=3), q, q, stats, stats, source, ranges)
+    assert grids == {("heads", "row"): (h // 64, rows), ("split", "block"): (3, n // 64)}
+
+
 def test_the_range_kernels_take_bf16_windows_of_64_heads():
     q = jnp.zeros((1, 2, 64, 128), jnp.bfloat16)
     assert sabw.takes(q, window_contiguous=True)
