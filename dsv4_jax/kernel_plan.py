@@ -21,7 +21,7 @@ stage                  kernel                                 reference
                        (`sparse_attention_backward`), or
                        over key ranges as Mosaic GPU
                        kernels (`sparse_attention_
-                       backward_wgmma`; opt-in, unmeasured)
+                       backward_wgmma`; opt-in)
 ``query_norm``         the queries' per-head RMSNorm as two   `norms.head_rms_norm` (and XLA's
                        Pallas kernels, forward and backward   gradient)
                        (`head_norm_kernel`)
