@@ -265,12 +265,14 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     def by_index(q):  # the Triton backward kernel
         return interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks)
 
-    def by_ranges(q, picks):  # the Mosaic GPU range kernels (and, for CSA's picks, the Triton kernel)
+    def by_ranges(q, picks):  # the Mosaic GPU range kernels
         # In interpret mode only where the backward runs eagerly: under a jit, XLA's CPU pool can
         # be too small for the simulated warp groups that wait on each other (a hang on 2 cores).
-        return (backward == "wgmma" and sparse_attention_backward_wgmma.takes(q, window_contiguous)
-                and sparse_attention_backward_wgmma.available(interpret) and not (interpret and is_tracer(q))
-                and (picks is None or by_index(q)))
+        # CSA's picks are scattered, not ranges: its calls stay with the Triton kernel (its window
+        # by the range kernels beside it measured 1-3% slower, with up to 6.8 GB more memory for
+        # the window's float32 share of dq: bench/RESULTS.md "Training", session 55).
+        return (backward == "wgmma" and picks is None and sparse_attention_backward_wgmma.takes(q, window_contiguous)
+                and sparse_attention_backward_wgmma.available(interpret) and not (interpret and is_tracer(q)))
 
     def uses_backward_kernel(q, picks):
         return by_ranges(q, picks) or (backward in ("auto", "wgmma") and by_index(q))
@@ -309,18 +311,9 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 delta_rotated = delta_rotated.transpose(1, 0, 2).reshape(b, s, h)
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
             if by_ranges(q, picks):
-                if picks is None:
-                    return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
-                        q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible,
-                        interpret=interpret, do_groups=output_groups, **extra)
-                # CSA: the window by ranges, the picked entries by index
-                dq_window, dpool, dsinks, _ = sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
-                    q, pool, window_idx, sinks, o, lse, do, interpret=interpret, do_groups=output_groups,
-                    dq_dtype=jnp.float32, **extra)
-                dq, _, _, dentries = sparse_attention_backward.sparse_attention_backward(
-                    q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, interpret=interpret,
-                    do_groups=output_groups, with_window=False, dq_start=dq_window, **bwd_blocks, **extra)
-                return dq, dpool, dsinks, dentries
+                return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
+                    q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible,
+                    interpret=interpret, do_groups=output_groups, **extra)
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
                 interpret=interpret, do_groups=output_groups, **bwd_blocks, **extra)

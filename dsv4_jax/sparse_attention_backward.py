@@ -95,14 +95,12 @@ def _row_of(i, rows: int, stretches: int):
 
 
 def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
-                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int, rows: int, stretches: int,
-                dq_start: bool):
+                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int, rows: int, stretches: int):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref, eblocks_ref = (refs.pop(0), refs.pop(0)) if n_entries else (None, None)
     q_ref, do_ref, o_ref, lse_ref = (refs.pop(0) for _ in range(4))
     delta_rotated_ref = refs.pop(0) if rotated else None
-    dq_start_ref = refs.pop(0) if dq_start else None
     pool_ref = refs.pop(0)
     ents_ref = refs.pop(0) if n_entries else None
     refs = refs[2 if n_entries else 1:]  # the aliased zero accumulators' input refs
@@ -146,7 +144,7 @@ def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_wi
     def loop(src_ref, idx_ref, grad_ref, trash, n_blocks, dq):
         return jax.lax.fori_loop(0, n_blocks, lambda i, c: key_block(src_ref, idx_ref, grad_ref, trash, i, c), dq)
 
-    dq = dq_start_ref[...] if dq_start else jnp.zeros(q.shape, jnp.float32)
+    dq = jnp.zeros(q.shape, jnp.float32)
     dq = loop(pool_ref, widx_ref, dpool_ref, trash_pool, n_window, dq)
     if n_entries:
         dq = loop(ents_ref, eidx_ref, dents_ref, trash_entries, eblocks_ref[r], dq)
@@ -198,8 +196,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                               num_warps: int = NUM_WARPS, num_stages: int | None = None, relaxed: bool = True,
                               rotated: int = 0, delta_rotated: Array | None = None,
-                              row_stretches_most: int = ROW_STRETCHES, do_groups: int | None = None,
-                              with_window: bool = True, dq_start: Array | None = None):
+                              row_stretches_most: int = ROW_STRETCHES, do_groups: int | None = None):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -217,9 +214,6 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     (head g*H/G + j of row r at [g, r, j]), the layout in which the gradient of a grouped
     output projection (the layer's wo_a, batched over its G groups) leaves it: read as it is,
     XLA's transpose of it to [B, S, H, D] (a pass over it) cancels against the caller's.
-    `with_window=False`: the window's keys are left to another kernel (the range backward takes
-    CSA's window, `sparse_attention_backward_wgmma`): dpool is None, and that kernel's share of dq
-    comes in as `dq_start` [B, S, H, D] float32, added before dq's one rounding.
     """
     b, s, h, d = q.shape
     rows = b * s
@@ -249,20 +243,18 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
 
     stretches = row_stretches(rows, row_stretches_most)
     kernel = functools.partial(_bwd_kernel, scale=d ** -0.5, block_keys=block_keys, rows_per_source=s,
-                               n_window=widx.shape[1] // block_keys if with_window else 0, n_entries=n_entries,
-                               dtype=dtype, trash_pool=pool.shape[1],
-                               trash_entries=0 if eidx is None else entries.shape[1], relaxed=relaxed,
-                               rotated=rotated, rows=rows, stretches=stretches, dq_start=dq_start is not None)
+                               n_window=widx.shape[1] // block_keys, n_entries=n_entries, dtype=dtype,
+                               trash_pool=pool.shape[1], trash_entries=0 if eidx is None else entries.shape[1],
+                               relaxed=relaxed, rotated=rotated, rows=rows, stretches=stretches)
     whole = pl.no_block_spec
     per_head = pl.BlockSpec((None, bh, d), lambda i, g: (_row_of(i, rows, stretches), g, 0))
     per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (_row_of(i, rows, stretches), g))
     per_head_of_groups = _group_block_spec(do_by_group.shape[2], bh, d, lambda i: _row_of(i, rows, stretches))
     sources = [pool] + ([entries] if eidx is not None else [])
     accumulators = [dpool0] + ([dents0] if eidx is not None else [])
-    starts = [] if dq_start is None else [dq_start.reshape(rows, h, d).astype(jnp.float32)]
-    args = [*index_args, q_rows, do_by_group, o_rows, *stats, *starts, *sources, *accumulators]
+    args = [*index_args, q_rows, do_by_group, o_rows, *stats, *sources, *accumulators]
     in_specs = ([whole] * len(index_args) + [per_head, per_head_of_groups, per_head] + [per_head_stat] * len(stats)
-                + [per_head] * len(starts) + [whole] * (len(sources) + len(accumulators)))
+                + [whole] * (len(sources) + len(accumulators)))
     first_acc = len(args) - len(accumulators)
     out_shape = [jax.ShapeDtypeStruct((rows, h, d), dtype),
                  *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators),
@@ -288,5 +280,4 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
     dsinks = -jnp.sum(p_sink * delta, axis=0)
     dentries = None if eidx is None else dents[0][:, :-1].astype(entries.dtype)
-    dpool = dpool[:, :-1].astype(pool.dtype) if with_window else None
-    return dq.reshape(b, s, h, d), dpool, dsinks, dentries
+    return dq.reshape(b, s, h, d), dpool[:, :-1].astype(pool.dtype), dsinks, dentries

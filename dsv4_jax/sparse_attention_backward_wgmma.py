@@ -10,10 +10,13 @@ Hopper's warp-group MMA, with no atomics:
   pool[e_t - W + 1 .. e_t] (the valid part), and the decode pool's slots 0..min(t, W-1);
 * HCA's entries: the visible prefix entries[0 .. visible).
 
-CSA's picks are scattered: there the Triton kernel takes them (``with_window=False``), its dq
-starting from this module's float32 share of the window (`sparse_attention._by_kernel`). Two
-kernels, each a CTA of two warp groups (WG), a head tile of 64 heads (the wgmma's M), D split in
-two halves of D/2 (the float32 accumulators of [64, D] would not fit one WG's registers):
+CSA's picks are scattered: its calls stay with the Triton kernel, window included
+(`sparse_attention._by_kernel`; the window here and the picks there measured 1-3% slower than the
+Triton kernel alone, with up to 6.8 GB more memory for the window's float32 share of dq, session
+55). A picks backward on wgmma would gather keys into shared memory by per-row copies
+(DEVELOPING.md, "Gathers and scattered adds"). Two kernels, each a CTA of two warp groups (WG), a
+head tile of 64 heads (the wgmma's M), D split in two halves of D/2 (the float32 accumulators of
+[64, D] would not fit one WG's registers):
 
     dq kernel, grid (H / 64, R): query row r, heads h0 .. h0+63
       q, do [64, D] and lse, delta [64] by TMA; per source, its key blocks of 64 meeting [lo, hi):
@@ -22,7 +25,7 @@ two halves of D/2 (the float32 accumulators of [64, D] would not fit one WG's re
         p      exp(round(s) * scale - lse), 0 outside [lo, hi)
         ds     p * (dp - delta) * scale -> SMEM (bf16)
         dq    += ds k[:, half]                              (each WG its half of D, float32)
-      dq [64, D] written once (q's dtype, or float32 for CSA's Triton kernel to add its share)
+      dq [64, D] written once (q's dtype)
     dkv kernel, grid (splits, N / 64): key block kb of a source, run j of its reader rows
       k [64, D] by TMA; for each query row r of the j-th of `splits` runs of the rows whose
       range meets the block (`readers`; `splits_for`: an HCA entry block is read by every later
@@ -534,9 +537,8 @@ def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, si
                                     do_groups: int | None = None, dq_dtype=None):
     """`sparse_attention_backward`'s contract (dq, dpool, dsinks, dentries) for the calls
     `takes` accepts: the window of each query consecutive pool indices (its valid ones), HCA's
-    `visible` entries or none (CSA's picks go to the Triton kernel: `sparse_attention._by_kernel`
-    calls both, the window here). `dq_dtype`: dq's dtype (default q's; float32 for a share to be
-    added to another). See the module doc for the kernels."""
+    `visible` entries or none (CSA's picks stay with the Triton kernel). `dq_dtype`: dq's dtype
+    (default q's). See the module doc for the kernels."""
     b, s, h, d = q.shape
     rows = b * s
     o_rows = o.reshape(rows, h, d).astype(jnp.float32)

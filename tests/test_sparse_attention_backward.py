@@ -156,24 +156,6 @@ def test_the_backward_kernel_reads_the_cotangent_by_output_group(h, groups, bloc
         sa.sparse_attention(q, pool, widx, sinks, **kwargs, output_groups=h + 1)
 
 
-def test_the_window_can_be_left_to_another_kernel():
-    """``with_window=False``: the kernel takes the picked entries alone, its dq starting from
-    another kernel's float32 share (`dq_start`: the range backward's of CSA's window, summed
-    before dq's one rounding). Window share + entries share = the whole, in float32."""
-    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=13, k=6, dtype=jnp.float32, s=3)
-    o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kwargs, interpret=True, with_lse=True)
-    do = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
-    backward = functools.partial(sab.sparse_attention_backward, q, pool, widx, sinks, o, lse, do, interpret=True,
-                                 block_keys=4, block_heads=2)
-    whole = backward(**kwargs)
-    dq_window, dpool, dsinks, _ = backward()  # the window's keys only (o and lse are the whole call's)
-    dq, no_dpool, _, dentries = backward(**kwargs, with_window=False, dq_start=dq_window)
-    assert no_dpool is None
-    for name, got, want in (("dq", dq, whole[0]), ("dpool", dpool, whole[1]), ("dsinks", dsinks, whole[2]),
-                            ("dentries", dentries, whole[3])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name)
-
-
 def test_the_key_gradients_add_with_relaxed_atomics_in_the_triton_program():
     """The Triton program, lowered for CUDA on any machine, adds the key gradients with relaxed
     atomics (`relaxed_atomics`: half the kernel's time on the H200 against Pallas' acquire-release
