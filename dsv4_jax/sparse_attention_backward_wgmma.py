@@ -26,7 +26,8 @@ head tile of 64 heads (the wgmma's M), D split in two halves of D/2 (the float32
         ds     p * (dp - delta) * scale -> SMEM (bf16)
         dq    += ds k[:, half]                              (each WG its half of D, float32)
       dq [64, D] written once (q's dtype)
-    dkv kernel, grid (splits, N / 64): key block kb of a source, run j of its reader rows
+    dkv kernel, grid (items,): one launch for every source (window pool, HCA's entries), a
+    program a work item (`work_items`): key block kb of a source, run j of its reader rows
       k [64, D] by TMA; for each query row r of the j-th of `splits` runs of the rows whose
       range meets the block (`readers`; `splits_for`: an HCA entry block is read by every later
       row), for each head tile h0:
@@ -41,7 +42,7 @@ the sink's gradient after, as for the Triton kernel. The cotangent is read where
 projection's gradient leaves it, [G, R, H/G, D] (`do_groups`): a tile's heads copied group by
 group (`_copy_cotangent`), no transposed copy first. Every source is padded to whole blocks of
 64 rows (TMA copies aligned tiles: Mosaic GPU needs their starts to be multiples of the
-shared-memory tiling). The rows and the key blocks are the grids' last axes: Mosaic GPU launches
+shared-memory tiling). The rows and the work items are the grids' last axes: Mosaic GPU launches
 a grid's last axis as CUDA's x (up to 2^31 - 1 blocks) and the others as y and z (up to 65,535:
 a batch of 4 rows of 16k with the rows first failed to launch on the H200, session 55).
 Numerics as `sparse_attention_backward`'s in bf16: the logits rounded as the forward rounds
@@ -73,6 +74,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .backend import Array
@@ -87,6 +89,8 @@ ROWS_PER_SPLIT = 64  # reader rows a program of the key-gradient kernel takes (e
 PARTIAL_BYTES = 1 << 26  # the key-gradient kernel's float32 partial sums, a source at most
 SCALARS = 32  # int32 a row of the range tables: 128 bytes (jax 0.10's Mosaic GPU copies whole warp-group multiples)
 ZERO = SCALARS - 1  # a range-table column that is always 0: `_opaque_zero`
+# The columns of a key-gradient work item (`work_items`).
+ITEM_SOURCE, ITEM_BLOCK, ITEM_SPLIT, ITEM_SPLITS, ITEM_READERS = range(5)
 
 
 def available(interpret: bool = False) -> bool:
@@ -358,22 +362,33 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
     _write_halves(dq, dq_ref.at[r, heads, pl.ds(wg * half, half)], dq_ref.dtype, wg, half)
 
 
-def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_ref, dsrc_ref, *, source: int,
-                scale: float, dtype, d: int, head_tiles: int, splits: int, group_heads: int | None):
+def _dkv_kernel(items_ref, readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int,
+                scale: float, dtype, d: int, head_tiles: int, group_heads: int | None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    kb, split, wg = lax.axis_index("block"), lax.axis_index("split"), lax.axis_index("wg")
+    sources, dsrc_ref = refs[:n_sources], refs[n_sources]
+    item, wg = lax.axis_index("item"), lax.axis_index("wg")
     half = d // 2
-    keys = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
 
-    def accumulate(q_smem, do_smem, k_smem, ds_smem, p_smem, lse_smem, delta_smem, rng_smem, rd_smem, k_bar, in_bar,
-                   sync_bar):
+    def accumulate(q_smem, do_smem, k_smem, ds_smem, p_smem, lse_smem, delta_smem, rng_smem, rd_smem, it_smem,
+                   it_bar, k_bar, in_bar, sync_bar):
         @pl.when(wg == 0)
         def _():
-            for j in range(2):
-                plgpu.copy_gmem_to_smem(src_ref.at[keys, pl.ds(j * half, half)], k_smem.at[j], k_bar)
-            plgpu.copy_gmem_to_smem(readers_ref.at[kb], rd_smem, k_bar)
+            plgpu.copy_gmem_to_smem(items_ref.at[item], it_smem, it_bar)
+        plgpu.barrier_wait(it_bar)
+        source, kb, split, splits = it_smem[ITEM_SOURCE], it_smem[ITEM_BLOCK], it_smem[ITEM_SPLIT], it_smem[ITEM_SPLITS]
+        keys = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
+
+        @pl.when(wg == 0)
+        def _():
+            def copy(src_ref):
+                for j in range(2):
+                    plgpu.copy_gmem_to_smem(src_ref.at[keys, pl.ds(j * half, half)], k_smem.at[j], k_bar)
+
+            for j, src_ref in enumerate(sources):
+                pl.when(source == j)(functools.partial(copy, src_ref))
+            plgpu.copy_gmem_to_smem(readers_ref.at[it_smem[ITEM_READERS]], rd_smem, k_bar)
         plgpu.barrier_wait(k_bar)
 
         def query_row(i, dk_acc):  # i: row r, head tile ht
@@ -414,7 +429,7 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, src_
 
     dk = pl.run_scoped(accumulate, *_dkv_scratch(d, dtype, group_heads), collective_axes="wg")
 
-    _write_halves(dk, dsrc_ref.at[split, keys, pl.ds(wg * half, half)], jnp.float32, wg, half)
+    _write_halves(dk, dsrc_ref.at[item, :, pl.ds(wg * half, half)], jnp.float32, wg, half)
 
 
 def readers(ranges: Array, source: int, n_blocks: int) -> Array:
@@ -451,8 +466,8 @@ def _dq_scratch(d: int, dtype, group_heads: int | None, keys: int, stages: int):
 
 def _dkv_scratch(d: int, dtype, group_heads: int | None):
     """The key-gradient kernel's shared memory: q, do and the key block as [2, 64, D/2] halves,
-    ds and p [64, 64], lse, delta, the row's ranges, the block's readers; barriers for the block's
-    copies, each row's and the warp groups' rendezvous."""
+    ds and p [64, 64], lse, delta, the row's ranges, the block's readers, the program's work item;
+    barriers for the item's copy, the block's copies, each row's and the warp groups' rendezvous."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tile = _tile()
@@ -460,9 +475,10 @@ def _dkv_scratch(d: int, dtype, group_heads: int | None):
     halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(3)]  # q, do, keys
     squares = [plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tile) for _ in range(2)]  # ds, p
     small = [plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32),
-             plgpu.SMEM((SCALARS,), jnp.int32)]
-    # The key block's halves and its readers; a row's copies; the rendezvous.
-    bars = [plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2)]
+             plgpu.SMEM((SCALARS,), jnp.int32), plgpu.SMEM((SCALARS,), jnp.int32)]
+    # The work item; the key block's halves and its readers; a row's copies; the rendezvous.
+    bars = [plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=row_copies),
+            plgpu.Barrier(num_arrivals=2)]
     return [*halves, *squares, *small, *bars]
 
 
@@ -482,28 +498,53 @@ def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], r
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), dq_dtype or q.dtype),
         grid=(h // BLOCK, rows), grid_names=("heads", "row"), num_threads=2, thread_name="wg",
-        interpret=_interpret_params(interpret),
+        kernel_name="range_backward_dq", interpret=_interpret_params(interpret),
     )(ranges, q, do, lse, delta, *sources)
 
 
-def dkv_of(q: Array, do: Array, lse: Array, delta: Array, source: Array, ranges: Array, which: int, *,
-           splits: int = 1, interpret: bool = False) -> Array:
-    """The gradient [N, D] float32 of `source` [N, D] (K = V: through the logits and the values)
-    from the rows whose range of source `which` (in `ranges`, as `dq_of`'s) covers its keys: each
-    key block's reader rows in `splits` runs, a program each (float32 partial sums, added here),
-    every head tile of a row summed in the program. do as `dq_of`'s."""
+def work_items(blocks: list[int], splits: list[int]) -> tuple[np.ndarray, list[int]]:
+    """The key-gradient kernel's programs, one a (source, key block, split): int32 [items, SCALARS]
+    (columns `ITEM_SOURCE`, `ITEM_BLOCK`, `ITEM_SPLIT`, `ITEM_SPLITS`, and `ITEM_READERS` the
+    block's row in the sources' concatenated reader tables), source after source, split-major
+    (a split's blocks launch side by side); and each source's first item."""
+    tables, starts, first, readers_base = [], [], 0, 0
+    for i, (nb, sp) in enumerate(zip(blocks, splits)):
+        split, kb = (a.reshape(-1) for a in np.meshgrid(np.arange(sp), np.arange(nb), indexing="ij"))
+        table = np.zeros((sp * nb, SCALARS), np.int32)
+        table[:, ITEM_SOURCE], table[:, ITEM_BLOCK], table[:, ITEM_SPLIT], table[:, ITEM_SPLITS] = i, kb, split, sp
+        table[:, ITEM_READERS] = readers_base + kb
+        tables.append(table)
+        starts.append(first)
+        first, readers_base = first + sp * nb, readers_base + nb
+    return np.concatenate(tables), starts
+
+
+def dkv_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], ranges: Array, *,
+           splits: list[int] | None = None, interpret: bool = False) -> list[Array]:
+    """The gradients [N_i, D] float32 of `sources` (each [N_i, D], N_i a multiple of 64; K = V:
+    through the logits and the values) from the rows whose range of that source (in `ranges`, as
+    `dq_of`'s) covers its keys, in one launch: each key block's reader rows in `splits[i]` runs
+    (default 1), a program each (float32 partial sums, added here), every head tile of a row summed
+    in the program. do as `dq_of`'s."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     _, h, d = q.shape
-    n = source.shape[0]
-    kernel = functools.partial(_dkv_kernel, source=which, scale=d ** -0.5, dtype=q.dtype, d=d,
-                               head_tiles=h // BLOCK, splits=splits, group_heads=do.shape[2] if do.ndim == 4 else None)
+    splits = list(splits or [1] * len(sources))
+    blocks = [src.shape[0] // BLOCK for src in sources]
+    items, starts = work_items(blocks, splits)
+    tables = jnp.concatenate([readers(ranges, i, nb) for i, nb in enumerate(blocks)])
+    kernel = functools.partial(_dkv_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d,
+                               head_tiles=h // BLOCK, group_heads=do.shape[2] if do.ndim == 4 else None)
     partials = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((splits, n, d), jnp.float32),
-        grid=(splits, n // BLOCK), grid_names=("split", "block"), num_threads=2, thread_name="wg",
-        interpret=_interpret_params(interpret),
-    )(readers(ranges, which, n // BLOCK), ranges, q, do, lse, delta, source)
-    return jnp.sum(partials, axis=0)
+        kernel, out_type=jax.ShapeDtypeStruct((items.shape[0], BLOCK, d), jnp.float32),
+        grid=(items.shape[0],), grid_names=("item",), num_threads=2, thread_name="wg",
+        kernel_name="range_backward_dkv", interpret=_interpret_params(interpret),
+    )(jnp.asarray(items), tables, ranges, q, do, lse, delta, *sources)
+    grads = []
+    for i, (nb, sp) in enumerate(zip(blocks, splits)):
+        part = partials[starts[i]: starts[i] + sp * nb].reshape(sp, nb * BLOCK, d)
+        grads.append(jnp.sum(part, axis=0))
+    return grads
 
 
 def splits_for(span: int, n: int, d: int) -> int:
@@ -576,12 +617,10 @@ def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, si
     # its batch row; an entry block, every row of its batch row.
     spans = [min(s, BLOCK + window_idx.shape[-1] - 1), s]
     dq = dq_of(q_rows, do, lse_rows, delta, sources, ranges, dq_dtype=dq_dtype, interpret=interpret)
-    grads = []
-    for i, src in enumerate(sources):
-        if interpret:  # one kernel at a time: the interpret mode's simulated GPU state is global
-            q_rows, _ = lax.optimization_barrier((q_rows, grads[-1] if grads else dq))
-        grads.append(dkv_of(q_rows, do, lse_rows, delta, src, ranges, i, interpret=interpret,
-                            splits=splits_for(spans[i], *src.shape)))
+    if interpret:  # one kernel at a time: the interpret mode's simulated GPU state is global
+        q_rows, _ = lax.optimization_barrier((q_rows, dq))
+    grads = dkv_of(q_rows, do, lse_rows, delta, sources, ranges, interpret=interpret,
+                   splits=[splits_for(span, *src.shape) for span, src in zip(spans, sources)])
     dpool = grads[0].reshape(b, -1, d)[:, : pool.shape[1]].astype(pool.dtype)
     dentries = None
     if entries is not None:

@@ -190,7 +190,7 @@ def test_readers_are_the_rows_whose_range_meets_each_block():
         assert tuple(got[kb, :2]) == want, kb
 
 
-def test_the_rows_and_key_blocks_launch_on_cudas_x_axis(monkeypatch):
+def test_the_rows_and_work_items_launch_on_cudas_x_axis(monkeypatch):
     """Mosaic GPU launches a grid's last axis as CUDA's x (up to 2^31 - 1 blocks), the others as y
     and z (up to 65,535). With the rows first, 4 rows of 16k (65,536 query rows) failed to launch
     on the H200 (CUDA_ERROR_INVALID_VALUE, session 55). Traced abstractly (no kernel runs)."""
@@ -209,8 +209,20 @@ def test_the_rows_and_key_blocks_launch_on_cudas_x_axis(monkeypatch):
     source = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
     ranges = jax.ShapeDtypeStruct((rows, sabw.SCALARS), jnp.int32)
     jax.eval_shape(lambda *a: sabw.dq_of(*a[:4], [a[4]], a[5]), q, q, stats, stats, source, ranges)
-    jax.eval_shape(lambda *a: sabw.dkv_of(*a, 0, splits=3), q, q, stats, stats, source, ranges)
-    assert grids == {("heads", "row"): (h // 64, rows), ("split", "block"): (3, n // 64)}
+    jax.eval_shape(lambda *a: sabw.dkv_of(*a[:4], [a[4]], a[5], splits=[3]), q, q, stats, stats, source, ranges)
+    assert grids == {("heads", "row"): (h // 64, rows), ("item",): (3 * n // 64,)}
+
+
+def test_the_key_gradient_kernels_work_items_cover_every_block_and_split_once():
+    """One launch for every source: a program a (source, key block, split), split-major within a
+    source, each with its block's row in the sources' concatenated reader tables."""
+    items, starts = sabw.work_items([3, 2], [2, 4])
+    assert starts == [0, 6] and items.shape == (6 + 8, sabw.SCALARS)
+    cols = [sabw.ITEM_SOURCE, sabw.ITEM_BLOCK, sabw.ITEM_SPLIT, sabw.ITEM_SPLITS, sabw.ITEM_READERS]
+    want = [(0, kb, j, 2, kb) for j in range(2) for kb in range(3)] + [(1, kb, j, 4, 3 + kb) for j in range(4)
+                                                                        for kb in range(2)]
+    assert [tuple(int(v) for v in row) for row in items[:, cols]] == want
+    assert not items[:, max(cols) + 1:].any()
 
 
 def test_the_range_kernels_take_bf16_windows_of_64_heads():
