@@ -27,7 +27,7 @@ head tile of 64 heads (the wgmma's M), D split in two halves of D/2 (the float32
         dq    += ds k[:, half]                              (each WG its half of D, float32)
       dq [64, D] written once (q's dtype)
     dkv kernel, grid (items,): one launch for every source (window pool, HCA's entries), a
-    program a work item (`work_items`): key block kb of a source, run j of its reader rows
+    program a work item (`work_item`): key block kb of a source, run j of its reader rows
       k [64, D] by TMA; for each query row r of the j-th of `splits` runs of the rows whose
       range meets the block (`readers`; `splits_for`: an HCA entry block is read by every later
       row), for each head tile h0:
@@ -74,7 +74,6 @@ import inspect
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .backend import Array
@@ -89,8 +88,6 @@ ROWS_PER_SPLIT = 64  # reader rows a program of the key-gradient kernel takes (e
 PARTIAL_BYTES = 1 << 26  # the key-gradient kernel's float32 partial sums, a source at most
 SCALARS = 32  # int32 a row of the range tables: 128 bytes (jax 0.10's Mosaic GPU copies whole warp-group multiples)
 ZERO = SCALARS - 1  # a range-table column that is always 0: `_opaque_zero`
-# The columns of a key-gradient work item (`work_items`).
-ITEM_SOURCE, ITEM_BLOCK, ITEM_SPLIT, ITEM_SPLITS, ITEM_READERS = range(5)
 
 
 def available(interpret: bool = False) -> bool:
@@ -362,33 +359,30 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
     _write_halves(dq, dq_ref.at[r, heads, pl.ds(wg * half, half)], dq_ref.dtype, wg, half)
 
 
-def _dkv_kernel(items_ref, readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: int,
-                scale: float, dtype, d: int, head_tiles: int, group_heads: int | None):
+def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, blocks: tuple[int, ...],
+                splits: tuple[int, ...], scale: float, dtype, d: int, head_tiles: int, group_heads: int | None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    sources, dsrc_ref = refs[:n_sources], refs[n_sources]
+    sources, dsrc_ref = refs[:len(blocks)], refs[len(blocks)]
     item, wg = lax.axis_index("item"), lax.axis_index("wg")
     half = d // 2
+    source, kb, split, n_splits, readers_row = work_item(item, blocks, splits)
+    keys = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
 
-    def accumulate(q_smem, do_smem, k_smem, ds_smem, p_smem, lse_smem, delta_smem, rng_smem, rd_smem, it_smem,
-                   it_bar, k_bar, in_bar, sync_bar):
-        @pl.when(wg == 0)
-        def _():
-            plgpu.copy_gmem_to_smem(items_ref.at[item], it_smem, it_bar)
-        plgpu.barrier_wait(it_bar)
-        source, kb, split, splits = it_smem[ITEM_SOURCE], it_smem[ITEM_BLOCK], it_smem[ITEM_SPLIT], it_smem[ITEM_SPLITS]
-        keys = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
-
+    def accumulate(q_smem, do_smem, k_smem, ds_smem, p_smem, lse_smem, delta_smem, rng_smem, rd_smem, k_bar, in_bar,
+                   sync_bar):
         @pl.when(wg == 0)
         def _():
             def copy(src_ref):
                 for j in range(2):
                     plgpu.copy_gmem_to_smem(src_ref.at[keys, pl.ds(j * half, half)], k_smem.at[j], k_bar)
 
-            for j, src_ref in enumerate(sources):
+            if len(sources) == 1:
+                copy(sources[0])
+            for j, src_ref in enumerate(sources if len(sources) > 1 else ()):
                 pl.when(source == j)(functools.partial(copy, src_ref))
-            plgpu.copy_gmem_to_smem(readers_ref.at[it_smem[ITEM_READERS]], rd_smem, k_bar)
+            plgpu.copy_gmem_to_smem(readers_ref.at[readers_row], rd_smem, k_bar)
         plgpu.barrier_wait(k_bar)
 
         def query_row(i, dk_acc):  # i: row r, head tile ht
@@ -419,7 +413,7 @@ def _dkv_kernel(items_ref, readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delt
         def loop(dk_acc):
             # This split's share of the block's reader rows [r0, r1): `splits` near-equal runs.
             r0, r1 = rd_smem[0], rd_smem[1]
-            chunk = (r1 - r0 + splits - 1) // splits
+            chunk = (r1 - r0 + n_splits - 1) // n_splits
             first = r0 + split * chunk
             last = jnp.maximum(jnp.minimum(r1, first + chunk), first)
             lax.fori_loop(first * head_tiles, last * head_tiles, lambda i, c: (query_row(i, dk_acc), c)[1], 0)
@@ -466,8 +460,8 @@ def _dq_scratch(d: int, dtype, group_heads: int | None, keys: int, stages: int):
 
 def _dkv_scratch(d: int, dtype, group_heads: int | None):
     """The key-gradient kernel's shared memory: q, do and the key block as [2, 64, D/2] halves,
-    ds and p [64, 64], lse, delta, the row's ranges, the block's readers, the program's work item;
-    barriers for the item's copy, the block's copies, each row's and the warp groups' rendezvous."""
+    ds and p [64, 64], lse, delta, the row's ranges, the block's readers; barriers for the block's
+    copies, each row's and the warp groups' rendezvous."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tile = _tile()
@@ -475,10 +469,9 @@ def _dkv_scratch(d: int, dtype, group_heads: int | None):
     halves = [plgpu.SMEM((2, BLOCK, d // 2), dtype, transforms=tile) for _ in range(3)]  # q, do, keys
     squares = [plgpu.SMEM((BLOCK, BLOCK), dtype, transforms=tile) for _ in range(2)]  # ds, p
     small = [plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((SCALARS,), jnp.int32),
-             plgpu.SMEM((SCALARS,), jnp.int32), plgpu.SMEM((SCALARS,), jnp.int32)]
-    # The work item; the key block's halves and its readers; a row's copies; the rendezvous.
-    bars = [plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=row_copies),
-            plgpu.Barrier(num_arrivals=2)]
+             plgpu.SMEM((SCALARS,), jnp.int32)]
+    # The key block's halves and its readers; a row's copies; the rendezvous.
+    bars = [plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=row_copies), plgpu.Barrier(num_arrivals=2)]
     return [*halves, *squares, *small, *bars]
 
 
@@ -502,21 +495,22 @@ def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], r
     )(ranges, q, do, lse, delta, *sources)
 
 
-def work_items(blocks: list[int], splits: list[int]) -> tuple[np.ndarray, list[int]]:
-    """The key-gradient kernel's programs, one a (source, key block, split): int32 [items, SCALARS]
-    (columns `ITEM_SOURCE`, `ITEM_BLOCK`, `ITEM_SPLIT`, `ITEM_SPLITS`, and `ITEM_READERS` the
-    block's row in the sources' concatenated reader tables), source after source, split-major
-    (a split's blocks launch side by side); and each source's first item."""
-    tables, starts, first, readers_base = [], [], 0, 0
-    for i, (nb, sp) in enumerate(zip(blocks, splits)):
-        split, kb = (a.reshape(-1) for a in np.meshgrid(np.arange(sp), np.arange(nb), indexing="ij"))
-        table = np.zeros((sp * nb, SCALARS), np.int32)
-        table[:, ITEM_SOURCE], table[:, ITEM_BLOCK], table[:, ITEM_SPLIT], table[:, ITEM_SPLITS] = i, kb, split, sp
-        table[:, ITEM_READERS] = readers_base + kb
-        tables.append(table)
-        starts.append(first)
-        first, readers_base = first + sp * nb, readers_base + nb
-    return np.concatenate(tables), starts
+def work_item(item, blocks: tuple[int, ...], splits: tuple[int, ...]):
+    """The key-gradient kernel's program `item` (traced int32) as (source, key block kb, split j,
+    the source's splits, kb's row in the sources' concatenated reader tables): programs run source
+    after source, each source's split-major (a split's blocks launch side by side); `blocks` and
+    `splits` a source (static)."""
+    source, kb, split, n_splits, row = 0, item % blocks[0], item // blocks[0], splits[0], item % blocks[0]
+    first, readers_base = 0, 0
+    for i in range(1, len(blocks)):
+        first, readers_base = first + blocks[i - 1] * splits[i - 1], readers_base + blocks[i - 1]
+        later, local = item >= first, item - first
+        source = jnp.where(later, i, source)
+        kb = jnp.where(later, local % blocks[i], kb)
+        split = jnp.where(later, local // blocks[i], split)
+        n_splits = jnp.where(later, splits[i], n_splits)
+        row = jnp.where(later, readers_base + local % blocks[i], row)
+    return source, kb, split, n_splits, row
 
 
 def dkv_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], ranges: Array, *,
@@ -529,21 +523,21 @@ def dkv_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], 
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     _, h, d = q.shape
-    splits = list(splits or [1] * len(sources))
-    blocks = [src.shape[0] // BLOCK for src in sources]
-    items, starts = work_items(blocks, splits)
+    splits = tuple(splits or [1] * len(sources))
+    blocks = tuple(src.shape[0] // BLOCK for src in sources)
+    items = sum(nb * sp for nb, sp in zip(blocks, splits))
     tables = jnp.concatenate([readers(ranges, i, nb) for i, nb in enumerate(blocks)])
-    kernel = functools.partial(_dkv_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d,
+    kernel = functools.partial(_dkv_kernel, blocks=blocks, splits=splits, scale=d ** -0.5, dtype=q.dtype, d=d,
                                head_tiles=h // BLOCK, group_heads=do.shape[2] if do.ndim == 4 else None)
     partials = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((items.shape[0], BLOCK, d), jnp.float32),
-        grid=(items.shape[0],), grid_names=("item",), num_threads=2, thread_name="wg",
+        kernel, out_type=jax.ShapeDtypeStruct((items, BLOCK, d), jnp.float32),
+        grid=(items,), grid_names=("item",), num_threads=2, thread_name="wg",
         kernel_name="range_backward_dkv", interpret=_interpret_params(interpret),
-    )(jnp.asarray(items), tables, ranges, q, do, lse, delta, *sources)
-    grads = []
-    for i, (nb, sp) in enumerate(zip(blocks, splits)):
-        part = partials[starts[i]: starts[i] + sp * nb].reshape(sp, nb * BLOCK, d)
-        grads.append(jnp.sum(part, axis=0))
+    )(tables, ranges, q, do, lse, delta, *sources)
+    grads, first = [], 0
+    for nb, sp in zip(blocks, splits):  # each source's partial sums, split-major
+        grads.append(jnp.sum(partials[first: first + sp * nb].reshape(sp, nb * BLOCK, d), axis=0))
+        first += sp * nb
     return grads
 
 

@@ -214,15 +214,13 @@ def test_the_rows_and_work_items_launch_on_cudas_x_axis(monkeypatch):
 
 
 def test_the_key_gradient_kernels_work_items_cover_every_block_and_split_once():
-    """One launch for every source: a program a (source, key block, split), split-major within a
-    source, each with its block's row in the sources' concatenated reader tables."""
-    items, starts = sabw.work_items([3, 2], [2, 4])
-    assert starts == [0, 6] and items.shape == (6 + 8, sabw.SCALARS)
-    cols = [sabw.ITEM_SOURCE, sabw.ITEM_BLOCK, sabw.ITEM_SPLIT, sabw.ITEM_SPLITS, sabw.ITEM_READERS]
-    want = [(0, kb, j, 2, kb) for j in range(2) for kb in range(3)] + [(1, kb, j, 4, 3 + kb) for j in range(4)
-                                                                        for kb in range(2)]
-    assert [tuple(int(v) for v in row) for row in items[:, cols]] == want
-    assert not items[:, max(cols) + 1:].any()
+    """One launch for every source: program i is a (source, key block, split, the source's splits,
+    the block's row in the sources' concatenated reader tables), split-major within a source."""
+    blocks, splits = (3, 2, 1), (2, 4, 1)
+    got = [tuple(int(v) for v in sabw.work_item(jnp.int32(i), blocks, splits)) for i in range(6 + 8 + 1)]
+    want = ([(0, kb, j, 2, kb) for j in range(2) for kb in range(3)]
+            + [(1, kb, j, 4, 3 + kb) for j in range(4) for kb in range(2)] + [(2, 0, 0, 1, 5)])
+    assert got == want
 
 
 def test_the_range_kernels_take_bf16_windows_of_64_heads():
