@@ -52,9 +52,11 @@ Status (session 55): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0
 interpret modes lack transposed wgmma operands), compiled for the H200 without one (jax 0.10.2 and
 0.11.2, `bench/deviceless.py`), and on the H200 equal to the Triton kernel at V4-Flash size (its GPU
 tests) and measured in the training step (bench/RESULTS.md "Training", session 55): 6-10% faster
-than the Triton kernel for HCA at 4k B = 4 and 16k B = 1, level at 4k B = 1, 1-3% slower for CSA
-(the window alone), 0.4-6.8 GB more peak memory a 4-layer step and 3-4x the compile time; opt-in
-for now. Each result goes out through shared memory allocated after
+than the Triton kernel for HCA at 4k B = 4 and 16k B = 1, level at 4k B = 1, with 0.4-2.7 GB more
+peak memory a 4-layer step and 3-4x the compile time; opt-in for now. Those runs had three
+kernels a layer (the key gradients of the window and of the entries one launch each); since then
+one launch takes both and the grids put rows on CUDA's x axis: the gate and the A/B again on the
+next device call. Each result goes out through shared memory allocated after
 the accumulation's scope (`_write_halves`), so a float32 result needs no room of its own. By default
 each TMA copy is waited for before its dots. At V4-Flash's D = 512 the shared memory is nearly
 spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227 KiB; dkv: 208
