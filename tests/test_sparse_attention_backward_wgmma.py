@@ -254,6 +254,22 @@ def test_range_backward_at_flash_sizes(kind, b, s):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")
+def test_range_backward_past_65535_query_rows():
+    """4 x 16,400 = 65,600 query rows (HCA, 64 heads, D = 128 to keep the inputs small), compiled:
+    more programs than CUDA's y and z axes launch (65,535), equal to the Triton kernel's. With the
+    rows on y, a training step of 4 x 16k rows failed to launch on the H200 (session 55)."""
+    q, pool, widx, sinks, kwargs = query_inputs("hca", b=4, h=64, d=128, w=128, t=300, k=0, dtype=jnp.bfloat16,
+                                                s=16400, seed=5)
+    do = jnp.asarray(np.random.default_rng(7).normal(size=q.shape).astype(np.float32), jnp.bfloat16)
+    args = (q, pool, widx, sinks, kwargs, do)
+    triton = jax.jit(functools.partial(kernel_vjp, interpret=False))(*args)
+    got = jax.jit(functools.partial(range_vjp, interpret=False))(*args)
+    for name, g, t in zip(NAMES, got, triton):
+        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
+        np.testing.assert_allclose(g, t, rtol=0, atol=2e-2 * np.abs(t).max(), err_msg=name)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")
 def test_range_backward_double_buffered_at_flash_sizes(monkeypatch):
     """The dq kernel's A/B candidate, 32-key blocks in 2 buffers (`dq_of(keys=32, stages=2)`),
     compiled at V4-Flash size (HCA prefill: the window and the entries as one sequence of blocks):
