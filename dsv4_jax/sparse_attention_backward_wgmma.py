@@ -53,7 +53,9 @@ interpret modes lack transposed wgmma operands), compiled for the H200 without o
 0.11.2, `bench/deviceless.py`), and on the H200 equal to the Triton kernel at V4-Flash size (its GPU
 tests) and measured in the training step (bench/RESULTS.md "Training", session 55): 6-10% faster
 than the Triton kernel for HCA at 4k B = 4 and 16k B = 1, level at 4k B = 1, with 0.4-2.7 GB more
-peak memory a 4-layer step and 3-4x the compile time; opt-in for now. Those runs had three
+peak memory a 4-layer step and 3-4x the compile time (since then each kernel is lowered once
+a program, `_launch`: deviceless, a 4-layer HCA step traced, lowered and compiled in 19 s
+against 29 s before and 13 s with the Triton kernel); opt-in for now. Those runs had three
 kernels a layer (the key gradients of the window and of the entries one launch each); since then
 one launch takes both and the grids put rows on CUDA's x axis: the gate and the A/B again on the
 next device call. Each result goes out through shared memory allocated after
@@ -175,9 +177,9 @@ def _copy_cotangent(do_ref, r, ht, columns, dst, bar, group_heads: int | None):
     piece = min(group_heads, BLOCK)
     for k in range(BLOCK // piece):
         head = ht * BLOCK + k * piece
-        within = pl.ds(pl.multiple_of(head % group_heads, 8), piece)
+        within = pl.ds(pl.multiple_of(lax.rem(head, group_heads), 8), piece)
         rows = dst.at[pl.ds(k * piece, piece)]
-        plgpu.copy_gmem_to_smem(do_ref.at[head // group_heads, r, within, columns], rows, bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[lax.div(head, group_heads), r, within, columns], rows, bar)
 
 
 def _opaque_zero(rng_smem):
@@ -285,8 +287,8 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
         bounds = []  # (first block, blocks, lo, hi) of each source
         for i in range(n_sources):
             lo, hi = rng_smem[2 * i], rng_smem[2 * i + 1]
-            first = lo // keys
-            bounds.append((first, jnp.where(hi > lo, (hi + keys - 1) // keys - first, 0), lo, hi))
+            first = lax.div(lo, keys)
+            bounds.append((first, jnp.where(hi > lo, lax.div(hi + keys - 1, keys) - first, 0), lo, hi))
         starts = [0]
         for _, n, _, _ in bounds:
             starts.append(starts[-1] + n)
@@ -321,7 +323,7 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
                 fetch(0, 0)
 
         def key_block(i, dq_acc):
-            slot = i % stages
+            slot = lax.rem(i, stages)
             _, kb, lo, hi = block_of(i)
 
             @pl.when(wg == 0)
@@ -329,7 +331,7 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
                 if stages > 1:  # the next block into the other buffer, free since the last rendezvous
                     @pl.when(i + 1 < total)
                     def _():
-                        fetch(i + 1, (i + 1) % stages)
+                        fetch(i + 1, lax.rem(i + 1, stages))
                 else:
                     fetch(i, slot)
             plgpu.barrier_wait(k_bars.at[slot])
@@ -388,7 +390,7 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *ref
         plgpu.barrier_wait(k_bar)
 
         def query_row(i, dk_acc):  # i: row r, head tile ht
-            r, ht = i // head_tiles, i % head_tiles
+            r, ht = lax.div(i, head_tiles), lax.rem(i, head_tiles)
 
             _copy_row((ranges_ref, q_ref, do_ref, lse_ref, delta_ref),
                       (rng_smem, q_smem, do_smem, lse_smem, delta_smem), r, ht, in_bar, wg, group_heads)
@@ -415,7 +417,7 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *ref
         def loop(dk_acc):
             # This split's share of the block's reader rows [r0, r1): `splits` near-equal runs.
             r0, r1 = rd_smem[0], rd_smem[1]
-            chunk = (r1 - r0 + n_splits - 1) // n_splits
+            chunk = lax.div(r1 - r0 + n_splits - 1, n_splits)
             first = r0 + split * chunk
             last = jnp.maximum(jnp.minimum(r1, first + chunk), first)
             lax.fori_loop(first * head_tiles, last * head_tiles, lambda i, c: (query_row(i, dk_acc), c)[1], 0)
@@ -484,17 +486,39 @@ def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], r
     of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0, then of source 1; hi <= lo:
     none; column ZERO 0). `dq_dtype`: dq's dtype (default q's). `keys` a key block (64 or 32) and `stages` key
     buffers (2: the next block's copy overlaps this one's dots; at D = 512 only with 32 keys)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows, h, d = q.shape
     group_heads = do.shape[2] if do.ndim == 4 else None
     kernel = functools.partial(_dq_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d,
                                group_heads=group_heads, keys=keys, stages=stages)
-    return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((rows, h, d), dq_dtype or q.dtype),
-        grid=(h // BLOCK, rows), grid_names=("heads", "row"), num_threads=2, thread_name="wg",
-        kernel_name="range_backward_dq", interpret=_interpret_params(interpret),
-    )(ranges, q, do, lse, delta, *sources)
+    return _launch(kernel, ((rows, h, d), dq_dtype or q.dtype), (h // BLOCK, rows), ("heads", "row"),
+                   "range_backward_dq", interpret)(ranges, q, do, lse, delta, *sources)
+
+
+def _launch(kernel: functools.partial, out: tuple, grid: tuple, grid_names: tuple, name: str, interpret: bool):
+    """The Mosaic GPU kernel `kernel` (a kernel body with its static arguments) of one output `out`
+    (shape, dtype), two warp groups a program, as a function of its operands.
+
+    Compiled, identical kernels are one jitted function: a model's layers call the same kernel
+    with the same shapes, and jax lowers a jitted function's equal calls once (Mosaic GPU's
+    lowering of one of these kernels takes about a second: a 4-layer training step lowered it
+    four times). Interpret mode calls the kernel as it is (under a jit the simulated warp
+    groups can hang on a small CPU pool: the callers run it eagerly)."""
+    if interpret:
+        return _kernel(kernel, out, grid, grid_names, name, _interpret_params(True))
+    return _jitted_kernel(kernel.func, tuple(sorted(kernel.keywords.items())), out, grid, grid_names, name)
+
+
+@functools.cache
+def _jitted_kernel(body, keywords: tuple, out: tuple, grid: tuple, grid_names: tuple, name: str):
+    return jax.jit(_kernel(functools.partial(body, **dict(keywords)), out, grid, grid_names, name, None))
+
+
+def _kernel(kernel, out: tuple, grid: tuple, grid_names: tuple, name: str, interpret):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(*out), grid=grid, grid_names=grid_names, num_threads=2,
+                        thread_name="wg", kernel_name=name, interpret=interpret)
 
 
 def work_item(item, blocks: tuple[int, ...], splits: tuple[int, ...]):
@@ -502,16 +526,17 @@ def work_item(item, blocks: tuple[int, ...], splits: tuple[int, ...]):
     the source's splits, kb's row in the sources' concatenated reader tables): programs run source
     after source, each source's split-major (a split's blocks launch side by side); `blocks` and
     `splits` a source (static)."""
-    source, kb, split, n_splits, row = 0, item % blocks[0], item // blocks[0], splits[0], item % blocks[0]
+    kb, split = lax.rem(item, blocks[0]), lax.div(item, blocks[0])
+    source, n_splits, row = 0, splits[0], kb
     first, readers_base = 0, 0
     for i in range(1, len(blocks)):
         first, readers_base = first + blocks[i - 1] * splits[i - 1], readers_base + blocks[i - 1]
         later, local = item >= first, item - first
         source = jnp.where(later, i, source)
-        kb = jnp.where(later, local % blocks[i], kb)
-        split = jnp.where(later, local // blocks[i], split)
+        kb = jnp.where(later, lax.rem(local, blocks[i]), kb)
+        split = jnp.where(later, lax.div(local, blocks[i]), split)
         n_splits = jnp.where(later, splits[i], n_splits)
-        row = jnp.where(later, readers_base + local % blocks[i], row)
+        row = jnp.where(later, readers_base + lax.rem(local, blocks[i]), row)
     return source, kb, split, n_splits, row
 
 
@@ -522,7 +547,6 @@ def dkv_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], 
     `dq_of`'s) covers its keys, in one launch: each key block's reader rows in `splits[i]` runs
     (default 1), a program each (float32 partial sums, added here), every head tile of a row summed
     in the program. do as `dq_of`'s."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     _, h, d = q.shape
     splits = tuple(splits or [1] * len(sources))
@@ -531,11 +555,8 @@ def dkv_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], 
     tables = jnp.concatenate([readers(ranges, i, nb) for i, nb in enumerate(blocks)])
     kernel = functools.partial(_dkv_kernel, blocks=blocks, splits=splits, scale=d ** -0.5, dtype=q.dtype, d=d,
                                head_tiles=h // BLOCK, group_heads=do.shape[2] if do.ndim == 4 else None)
-    partials = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((items, BLOCK, d), jnp.float32),
-        grid=(items,), grid_names=("item",), num_threads=2, thread_name="wg",
-        kernel_name="range_backward_dkv", interpret=_interpret_params(interpret),
-    )(tables, ranges, q, do, lse, delta, *sources)
+    partials = _launch(kernel, ((items, BLOCK, d), jnp.float32), (items,), ("item",), "range_backward_dkv",
+                       interpret)(tables, ranges, q, do, lse, delta, *sources)
     grads, first = [], 0
     for nb, sp in zip(blocks, splits):  # each source's partial sums, split-major
         grads.append(jnp.sum(partials[first: first + sp * nb].reshape(sp, nb * BLOCK, d), axis=0))

@@ -128,7 +128,9 @@ def assert_like_the_triton_kernel(q, pool, widx, sinks, kwargs, do):
             continue
         g, t, w = (np.asarray(x, np.float32) for x in (g, t, w))
         scale = np.abs(w).max()
-        np.testing.assert_allclose(g, t, rtol=0, atol=1e-3 * scale, err_msg=name)
+        # bf16 results: where the float32 sums (in another order) straddle a rounding boundary,
+        # one unit in the last place apart (2^-8 to 2^-7 of the value)
+        np.testing.assert_allclose(g, t, rtol=2 ** -7, atol=1e-3 * scale, err_msg=name)
         assert np.abs(g - w).max() <= 1.01 * np.abs(t - w).max() + 1e-4 * scale, name
 
 
@@ -203,6 +205,7 @@ def test_the_rows_and_work_items_launch_on_cudas_x_axis(monkeypatch):
         return lambda *args: jnp.zeros(out_type.shape, out_type.dtype)
 
     monkeypatch.setattr(plgpu, "kernel", kernel)
+    monkeypatch.setattr(sabw, "_jitted_kernel", sabw._jitted_kernel.__wrapped__)  # no fake kernel cached
     rows, n, h, d = 4 * 16384 + 64, 70000 * 64, 128, 512
     q = jax.ShapeDtypeStruct((rows, h, d), jnp.bfloat16)
     stats = jax.ShapeDtypeStruct((rows, h), jnp.float32)
