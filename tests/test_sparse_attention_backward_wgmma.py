@@ -287,3 +287,21 @@ def test_range_backward_double_buffered_at_flash_sizes(monkeypatch):
     for name, g, w in zip(NAMES, got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-2 * np.abs(w).max(), err_msg=name)
+
+
+def test_a_programs_equal_kernel_calls_are_one_jitted_function():
+    """A model's layers call the range kernels with equal shapes: each call is the same jitted
+    function with the same jaxpr, which jax lowers once a program (Mosaic GPU lowered each call on
+    its own: ~1 s a kernel, session 56). Traced abstractly on any backend (nothing runs)."""
+    rows, h, d, n = 128, 64, 128, 256
+    q = jax.ShapeDtypeStruct((rows, h, d), jnp.bfloat16)
+    stats = jax.ShapeDtypeStruct((rows, h), jnp.float32)
+    source = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+    ranges = jax.ShapeDtypeStruct((rows, sabw.SCALARS), jnp.int32)
+
+    def two_layers(q, do, lse, delta, src, rng):
+        return [sabw.dq_of(q, do, lse, delta, [src], rng) for _ in range(2)]
+
+    eqns = [e for e in jax.make_jaxpr(two_layers)(q, q, stats, stats, source, ranges).eqns
+            if e.primitive.name in ("pjit", "jit")]
+    assert len(eqns) == 2 and eqns[0].params["jaxpr"] is eqns[1].params["jaxpr"]
