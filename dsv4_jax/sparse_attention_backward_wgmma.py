@@ -209,6 +209,18 @@ def _dots_over_halves(a_halves, b_halves, shape, transposed_b: bool, zero):
     return pl.run_scoped(dots, plgpu.ACC(shape, jnp.float32))
 
 
+def _from_source(sources, which, copy):
+    """`copy(src_ref)` for the source `which` (traced) of the kernel's `sources`: a branch a
+    source, none where there is one."""
+    from jax.experimental import pallas as pl
+
+    if len(sources) == 1:
+        copy(sources[0])
+        return
+    for j, src_ref in enumerate(sources):
+        pl.when(which == j)(functools.partial(copy, src_ref))
+
+
 def _write_halves(value, dst, dtype, wg, half: int):
     """Each warp group's [64, D/2] half of a result, through shared memory (allocated after the
     accumulation's scope: its memory, now free) to `dst` in GMEM as `dtype`."""
@@ -312,10 +324,7 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, n_sources: 
                     plgpu.copy_gmem_to_smem(src_ref.at[rows, pl.ds(h * half, half)], k_smem.at[slot, h],
                                             k_bars.at[slot])
 
-            if n_sources == 1:
-                copy(sources[0])
-            for j, src_ref in enumerate(sources if n_sources > 1 else ()):
-                pl.when(which == j)(functools.partial(copy, src_ref))
+            _from_source(sources, which, copy)
 
         if stages > 1:
             @pl.when((wg == 0) & (total > 0))
@@ -382,10 +391,7 @@ def _dkv_kernel(readers_ref, ranges_ref, q_ref, do_ref, lse_ref, delta_ref, *ref
                 for j in range(2):
                     plgpu.copy_gmem_to_smem(src_ref.at[keys, pl.ds(j * half, half)], k_smem.at[j], k_bar)
 
-            if len(sources) == 1:
-                copy(sources[0])
-            for j, src_ref in enumerate(sources if len(sources) > 1 else ()):
-                pl.when(source == j)(functools.partial(copy, src_ref))
+            _from_source(sources, source, copy)
             plgpu.copy_gmem_to_smem(readers_ref.at[readers_row], rd_smem, k_bar)
         plgpu.barrier_wait(k_bar)
 
@@ -486,7 +492,6 @@ def dq_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], r
     of 64) read in the ranges [R, SCALARS] int32 (lo, hi of source 0, then of source 1; hi <= lo:
     none; column ZERO 0). `dq_dtype`: dq's dtype (default q's). `keys` a key block (64 or 32) and `stages` key
     buffers (2: the next block's copy overlaps this one's dots; at D = 512 only with 32 keys)."""
-
     rows, h, d = q.shape
     group_heads = do.shape[2] if do.ndim == 4 else None
     kernel = functools.partial(_dq_kernel, n_sources=len(sources), scale=d ** -0.5, dtype=q.dtype, d=d,
@@ -547,7 +552,6 @@ def dkv_of(q: Array, do: Array, lse: Array, delta: Array, sources: list[Array], 
     `dq_of`'s) covers its keys, in one launch: each key block's reader rows in `splits[i]` runs
     (default 1), a program each (float32 partial sums, added here), every head tile of a row summed
     in the program. do as `dq_of`'s."""
-
     _, h, d = q.shape
     splits = tuple(splits or [1] * len(sources))
     blocks = tuple(src.shape[0] // BLOCK for src in sources)
