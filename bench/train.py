@@ -351,8 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--break-mode", default="narrow", help="the layers' break_mode (default narrow)")
     ap.add_argument("--kernels", default="auto", choices=dsv4_jax.KERNELS, help="the layers' kernels (default auto)")
     ap.add_argument("--attention-backward", default=None, choices=BACKWARD_CHOICES,
-                    help="the sparse attention kernel's gradient: its backward kernel (auto), the Mosaic GPU "
-                         "range kernels where they take the layer (wgmma) or the XLA VJP")
+                    help="the sparse attention kernel's gradient (KernelPlan.attention_backward): the Mosaic "
+                         "GPU range kernels for HCA, the Triton kernel elsewhere (auto), the Triton kernel "
+                         "(triton), the range kernels wherever they take the call (wgmma) or the XLA VJP")
     ap.add_argument("--query-norm", default=None, choices=("auto", "pallas", "xla"),
                     help="the queries' per-head norm: its Pallas kernels (auto: for prefill) or XLA")
     for flag in ("decode-kernel", "prefill-kernel", "compress-kernel"):  # bench/stack.py's A/B switches

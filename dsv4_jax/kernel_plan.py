@@ -17,11 +17,11 @@ stage                  kernel                                 reference
 ``compress``           Pallas decode pooling of the           `compressor._pool`
                        compressors (`compressor_kernel`)
 ``attention_backward`` the sparse attention kernel's          the VJP of `sparse_attention.
-                       gradient as a Pallas kernel            _xla_path`
-                       (`sparse_attention_backward`), or
-                       over key ranges as Mosaic GPU
-                       kernels (`sparse_attention_
-                       backward_wgmma`; opt-in)
+                       gradient over key ranges as Mosaic     _xla_path`
+                       GPU kernels (`sparse_attention_
+                       backward_wgmma`: HCA), or as a
+                       Triton kernel by index
+                       (`sparse_attention_backward`)
 ``query_norm``         the queries' per-head RMSNorm as two   `norms.head_rms_norm` (and XLA's
                        Pallas kernels, forward and backward   gradient)
                        (`head_norm_kernel`)
@@ -33,7 +33,8 @@ stage                  kernel                                 reference
   built; on CUDA the Pallas kernels for the shapes they won on (`sparse_attention_kernel.
   CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step, the indexer's scoring kernel
   for bf16 calls of several queries a row, the queries' norm kernels for calls of several
-  queries a row); the XLA reference elsewhere.
+  queries a row, the sparse attention kernel's gradient over key ranges for HCA and by index
+  for the rest); the XLA reference elsewhere.
 * ``"xla"``: every stage by its XLA reference: no native handler, no Pallas kernel.
 * ``"native"``: as "auto", but the native handlers are required (an error names why they are not
   usable).
@@ -51,9 +52,10 @@ calls compiles the program it names, never reuses a stale one. Nothing here is r
 module global at trace time.
 
 Gradients: every kernel differentiates as its reference. The compressor kernel's backward is
-the XLA reference's VJP (`backend.differentiated_as`); the sparse attention kernel's is its own
-backward kernel (``attention_backward="auto"``) or that VJP ("xla"). So ``jax.grad`` works with
-every plan, and gives the reference's gradients (up to the order of float sums).
+the XLA reference's VJP (`backend.differentiated_as`); the sparse attention kernel's is one of its
+backward kernels (``attention_backward``: "auto", "triton", "wgmma") or that VJP ("xla"). So
+``jax.grad`` works with every plan, and gives the reference's gradients (up to the order of float
+sums).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
-BACKWARD_CHOICES = ("auto", "wgmma", "xla")
+BACKWARD_CHOICES = ("auto", "triton", "wgmma", "xla")
 PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm")
 
 
@@ -79,15 +81,18 @@ class KernelPlan:
     compress:          the same, for the compressors' decode pooling
     query_norm:        the same, for the queries' per-head RMSNorm and its gradient
                        (`head_norm_kernel`; "auto": for calls of several queries a row)
-    attention_backward: "auto" | "wgmma" | "xla"  the gradient of the sparse attention kernel where
-                       it runs: "auto" its backward kernel (`sparse_attention_backward`, where the
-                       Triton kernel takes the shapes; interpret mode where the forward is),
-                       "wgmma" the Mosaic GPU kernels over key ranges where they take the call
-                       (`sparse_attention_backward_wgmma.takes`: bf16 windows and HCA's entries,
-                       heads a multiple of 64; not CSA's picks; interpret mode where the forward
-                       is, on a jax whose interpret mode runs them), else as "auto" (on the H200
-                       6-10% faster for HCA's training step at 4k B = 4 and 16k B = 1, level at
-                       4k B = 1), "xla" the XLA reference's VJP
+    attention_backward: "auto" | "triton" | "wgmma" | "xla"  the gradient of the sparse attention
+                       kernel where it runs. "triton": its backward kernel by index
+                       (`sparse_attention_backward`, where that kernel takes the shapes; interpret
+                       mode where the forward is). "wgmma": the Mosaic GPU kernels over key ranges
+                       where they take the call (`sparse_attention_backward_wgmma.takes`: bf16
+                       windows and HCA's entries, heads a multiple of 64; not CSA's picks;
+                       interpret mode where the forward is, on a jax whose interpret mode runs
+                       them), else as "triton". "auto": "wgmma" for HCA's calls on CUDA (on the
+                       H200 a 4-layer HCA training step 8-12% faster at B = 1 and 4, 4k and 16k,
+                       for 0.4-10.6 GB more peak memory and ~5 s more compile: bench/RESULTS.md
+                       "Training"), else "triton" (CSA, sliding windows, interpret mode). "xla":
+                       the XLA reference's VJP
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has

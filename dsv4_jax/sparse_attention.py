@@ -265,24 +265,29 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     def by_index(q):  # the Triton backward kernel
         return interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks)
 
-    def by_ranges(q, picks):  # the Mosaic GPU range kernels
-        # In interpret mode only where the backward runs eagerly: under a jit, XLA's CPU pool can
-        # be too small for the simulated warp groups that wait on each other (a hang on 2 cores).
-        # CSA's picks are scattered, not ranges: its calls stay with the Triton kernel (its window
-        # by the range kernels beside it measured 1-3% slower, with up to 6.8 GB more memory for
-        # the window's float32 share of dq: bench/RESULTS.md "Training", session 55).
-        return (backward == "wgmma" and picks is None and sparse_attention_backward_wgmma.takes(q, window_contiguous)
+    def by_ranges(q, entries, picks):  # the Mosaic GPU range kernels
+        # "auto": HCA's calls on CUDA (windows and visible entries: 8-12% faster training steps
+        # on the H200, bench/RESULTS.md "Training", session 57); not in interpret mode, where
+        # they simulate warp groups (minutes a call on a CPU), nor for a window alone (sliding
+        # layers: not measured). "wgmma": wherever they take the call. In interpret mode only
+        # where the backward runs eagerly: under a jit, XLA's CPU pool can be too small for the
+        # simulated warp groups that wait on each other (a hang on 2 cores). CSA's picks are
+        # scattered, not ranges: its calls stay with the Triton kernel (its window by the range
+        # kernels beside it measured 1-3% slower, with up to 6.8 GB more memory for the
+        # window's float32 share of dq: bench/RESULTS.md "Training", session 55).
+        wanted = backward == "wgmma" or (backward == "auto" and entries is not None and not interpret)
+        return (wanted and picks is None and sparse_attention_backward_wgmma.takes(q, window_contiguous)
                 and sparse_attention_backward_wgmma.available(interpret) and not (interpret and is_tracer(q)))
 
-    def uses_backward_kernel(q, picks):
-        return by_ranges(q, picks) or (backward in ("auto", "wgmma") and by_index(q))
+    def uses_backward_kernel(q, entries, picks):
+        return by_ranges(q, entries, picks) or (backward != "xla" and by_index(q))
 
     @jax.custom_vjp
     def call(*args):
         return attend(*args)
 
     def fwd(*args):
-        if not uses_backward_kernel(args[0], args[5]):
+        if not uses_backward_kernel(args[0], args[4], args[5]):
             return attend(*args), (args, None, None)
 
         def reference_with_lse(*a):  # another platform's program: the reference (its VJP needs no lse)
@@ -310,7 +315,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 do = _derotate_transpose(do, positions.reshape(1, b * s), *rotation)
                 delta_rotated = delta_rotated.transpose(1, 0, 2).reshape(b, s, h)
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
-            if by_ranges(q, picks):
+            if by_ranges(q, entries, picks):
                 return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
                     q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible,
                     interpret=interpret, do_groups=output_groups, **extra)

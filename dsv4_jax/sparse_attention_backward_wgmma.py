@@ -603,6 +603,12 @@ def sparse_attention_backward_wgmma(q: Array, pool: Array, window_idx: Array, si
     (default q's). See the module doc for the kernels."""
     b, s, h, d = q.shape
     rows = b * s
+    # delta reads o's channels that the caller's output rotation leaves as they are. Without the
+    # barrier XLA reads them from the forward kernel's output before the rotation (equal there),
+    # which then lives until this backward and makes the rotation work on a copy: an [R, H, D]
+    # pass a layer and, at the peak, one more such buffer a layer (HCA B = 4 4k, 4 layers: XLA's
+    # temporaries 20.1 against 17.6 GiB in a deviceless compile).
+    o = lax.optimization_barrier(o)
     o_rows = o.reshape(rows, h, d).astype(jnp.float32)
     if do_groups is not None and _copies_by_group(h // do_groups):  # the kernels read [G, R, H/G, D]
         do = do.reshape(do_groups, rows, h // do_groups, d).astype(q.dtype)

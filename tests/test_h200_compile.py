@@ -14,6 +14,7 @@ file skips.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
 import pytest
@@ -37,6 +38,7 @@ EVERY_KERNEL = KernelPlan(select="native" if NATIVE_CUDA else "xla", decode_atte
                           prefill_attention="pallas", compress="pallas", query_norm="pallas", select_scores="pallas")
 
 
+@functools.cache  # a case compiles once for the tests that read it
 def _census(scenario, stack, batch, tokens, size="small", **case):
     from bench import deviceless
 
@@ -84,15 +86,19 @@ def test_the_backward_kernel_compiles_at_v4_flash_size():
     assert row["triton_calls"] > 0 and any(stage.endswith("(bwd)") for stage in row["stages"])
 
 
+@pytest.mark.parametrize("backward", ["auto", "wgmma"])
 @pytest.mark.parametrize("stack, range_kernels", [("hca", 2), ("csa", 0)])
-def test_the_range_backward_compiles_at_v4_flash_size(stack, range_kernels):
-    """``attention_backward="wgmma"``: the Mosaic GPU range kernels (`sparse_attention_backward_wgmma`:
-    dq, and in one launch dK of the window and of HCA's entries) in the training step, beside the
-    Triton kernels; CSA's calls (scattered picks) stay with the Triton backward kernel."""
-    plan = dataclasses.replace(EVERY_KERNEL, attention_backward="wgmma")
-    row = _census("train", stack, 1, 512, size="flash", kernels=plan)
-    by_index = _census("train", stack, 1, 512, size="flash", kernels=EVERY_KERNEL)  # the Triton backward alone
+def test_the_range_backward_compiles_at_v4_flash_size(stack, range_kernels, backward):
+    """The Mosaic GPU range kernels (`sparse_attention_backward_wgmma`: dq, and in one launch dK of
+    the window and of HCA's entries) in the training step beside the Triton kernels, for HCA's
+    calls under ``attention_backward="auto"`` and "wgmma"; CSA's calls (scattered picks) stay with
+    the Triton backward kernel, as every call does under "triton"."""
+    row = _census("train", stack, 1, 512, size="flash",
+                  kernels=dataclasses.replace(EVERY_KERNEL, attention_backward=backward))
+    by_index = _census("train", stack, 1, 512, size="flash",
+                       kernels=dataclasses.replace(EVERY_KERNEL, attention_backward="triton"))
     assert row["custom_call_targets"].get("mosaic_gpu_v2", 0) == range_kernels
+    assert by_index["custom_call_targets"].get("mosaic_gpu_v2", 0) == 0
     assert row["triton_calls"] == by_index["triton_calls"] - (stack == "hca")
 
 

@@ -169,7 +169,7 @@ def test_the_attention_differentiates_through_the_range_kernels(kind, monkeypatc
     assert all(g is None or np.isfinite(np.asarray(g, np.float32)).all() for g in grads("wgmma", jit=True))
     assert calls == ranges  # traced: the Triton kernel
     want = grads("xla", jit=True, plan=KernelPlan.named("xla"), dtype=jnp.float32)
-    for name, g, t, w in zip(("dq", "dpool", "dentries"), got, grads("auto", jit=True), want):
+    for name, g, t, w in zip(("dq", "dpool", "dentries"), got, grads("triton", jit=True), want):
         if t is None:
             assert g is None
             continue
