@@ -48,25 +48,22 @@ a batch of 4 rows of 16k with the rows first failed to launch on the H200, sessi
 Numerics as `sparse_attention_backward`'s in bf16: the logits rounded as the forward rounds
 them, p and ds rounded to bf16 for their dots, float32 accumulation.
 
-Status (session 55): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
+Status (session 57): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
 interpret modes lack transposed wgmma operands), compiled for the H200 without one (jax 0.10.2 and
-0.11.2, `bench/deviceless.py`), and on the H200 equal to the Triton kernel at V4-Flash size (its GPU
-tests) and measured in the training step (bench/RESULTS.md "Training", session 55): 6-10% faster
-than the Triton kernel for HCA at 4k B = 4 and 16k B = 1, level at 4k B = 1, with 0.4-2.7 GB more
-peak memory a 4-layer step and 3-4x the compile time (since then each kernel is lowered once
-a program, `_launch`: deviceless, a 4-layer HCA step traced, lowered and compiled in 19 s
-against 29 s before and 13 s with the Triton kernel); opt-in for now. Those runs had three
-kernels a layer (the key gradients of the window and of the entries one launch each); since then
-one launch takes both and the grids put rows on CUDA's x axis: the gate and the A/B again on the
-next device call. Each result goes out through shared memory allocated after
-the accumulation's scope (`_write_halves`), so a float32 result needs no room of its own. By default
-each TMA copy is waited for before its dots. At V4-Flash's D = 512 the shared memory is nearly
-spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227 KiB; dkv: 208
-KiB), so a second buffer needs smaller tiles: the dq kernel takes 32-key blocks in 2 buffers
-(`dq_of(keys=32, stages=2)`: the next block's copy in flight during this one's dots, every wgmma
-operand then swizzled over 64 bytes), an A/B candidate (`DQ_KEYS, DQ_STAGES`) tested in interpret
-mode and compiled, not measured; the dkv kernel would need head tiles of 32. Session 54: both
-kernels spilled registers (255 a thread, the wgmma descriptors of fixed buffers hoisted out of
+0.11.2, `bench/deviceless.py`), on the H200 equal to the Triton kernel at V4-Flash size (its GPU
+tests, 4 x 16,400 query rows included) and the default for HCA's calls on CUDA
+(``attention_backward="auto"``): a 4-layer HCA training step 6-14% faster than with the Triton
+kernel at B = 1 and 4, 4k and 16k, with 0.4-2.9 GB less peak memory and 4-6 s more compile
+(bench/RESULTS.md "Training", session 57). Each kernel configuration is one `jax.jit` (`_launch`),
+so a program's equal calls (its layers) lower once. Each result goes out through shared memory
+allocated after the accumulation's scope (`_write_halves`), so a float32 result needs no room of
+its own. By default each TMA copy is waited for before its dots. At V4-Flash's D = 512 the shared
+memory is nearly spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB of the H200's 227
+KiB; dkv: 208 KiB), so a second buffer needs smaller tiles: the dq kernel takes 32-key blocks in 2
+buffers (`dq_of(keys=32, stages=2)`: the next block's copy in flight during this one's dots, every
+wgmma operand then swizzled over 64 bytes), an A/B candidate (`DQ_KEYS, DQ_STAGES`) tested in
+interpret mode and compiled, not measured; the dkv kernel would need head tiles of 32. Session 54:
+both kernels spilled registers (255 a thread, the wgmma descriptors of fixed buffers hoisted out of
 the loops); the buffers are now indexed through `_opaque_zero` and neither spills (checked on a
 deviceless compile, tests/test_h200_compile.py).
 """
