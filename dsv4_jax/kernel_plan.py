@@ -89,8 +89,8 @@ class KernelPlan:
                        windows and HCA's entries, heads a multiple of 64; not CSA's picks;
                        interpret mode where the forward is, on a jax whose interpret mode runs
                        them), else as "triton". "auto": "wgmma" for HCA's calls on CUDA (on the
-                       H200 a 4-layer HCA training step 8-12% faster at B = 1 and 4, 4k and 16k,
-                       for 0.4-10.6 GB more peak memory and ~5 s more compile: bench/RESULTS.md
+                       H200 a 4-layer HCA training step 6-14% faster at B = 1 and 4, 4k and 16k,
+                       with 0.4-2.9 GB less peak memory and 4-6 s more compile: bench/RESULTS.md
                        "Training"), else "triton" (CSA, sliding windows, interpret mode). "xla":
                        the XLA reference's VJP
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that

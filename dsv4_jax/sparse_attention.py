@@ -266,7 +266,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
         return interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks)
 
     def by_ranges(q, entries, picks):  # the Mosaic GPU range kernels
-        # "auto": HCA's calls on CUDA (windows and visible entries: 8-12% faster training steps
+        # "auto": HCA's calls on CUDA (windows and visible entries: 6-14% faster training steps
         # on the H200, bench/RESULTS.md "Training", session 57); not in interpret mode, where
         # they simulate warp groups (minutes a call on a CPU), nor for a window alone (sliding
         # layers: not measured). "wgmma": wherever they take the call. In interpret mode only
