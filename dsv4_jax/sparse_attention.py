@@ -319,12 +319,9 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
                     q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible,
                     interpret=interpret, do_groups=output_groups, **extra)
-            # CSA's picks: the key gradients by a kernel of their own over all heads (half the
-            # atomic adds of the one-kernel form; `sparse_attention_backward.KEY_HEADS`).
-            key_heads = None if picks is None else sparse_attention_backward.key_heads_for(q)
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
-                interpret=interpret, do_groups=output_groups, key_heads=key_heads, **bwd_blocks, **extra)
+                interpret=interpret, do_groups=output_groups, **bwd_blocks, **extra)
 
         def reference_grads(*a):
             dq, dpool, _, dsinks, dentries, *_ = reference_vjp(composed, a[:8], a[-1])

@@ -77,22 +77,6 @@ NUM_STAGES = {2: 3, 4: 1}
 # programs in flight are spread over G stretches of the rows (G the largest power of two up to
 # ROW_STRETCHES dividing R; 1 keeps row order).
 ROW_STRETCHES = 16
-# `key_heads`' second kernel, the key gradients over 64 heads a program: 8 warps, one stage (its
-# q and do tiles take 128 KiB of shared memory; two or three stages exceed the H200's).
-KEY_WARPS = 8
-KEY_STAGES = 1
-# Where the layer asks for the two-kernel form (CSA's calls): a program's heads in the second.
-KEY_HEADS = 64
-
-
-def key_heads_for(q: Array) -> int | None:
-    """`key_heads` for these queries [B, S, H, D]: KEY_HEADS where it divides H and exceeds the
-    one-kernel form's BLOCK_HEADS (else nothing is saved) and q is 16-bit (float32 tiles of 64
-    heads exceed the shared memory); None otherwise (one kernel)."""
-    h = q.shape[2]
-    if KEY_HEADS is None or h % KEY_HEADS or KEY_HEADS <= min(BLOCK_HEADS, h) or q.dtype.itemsize != 2:
-        return None
-    return KEY_HEADS
 
 
 def row_stretches(rows: int, most: int = ROW_STRETCHES) -> int:
@@ -111,10 +95,7 @@ def _row_of(i, rows: int, stretches: int):
 
 
 def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
-                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int, rows: int, stretches: int,
-                with_keys: bool = True):
-    """One program's dq (and delta) and, `with_keys`, its key gradients added at their indices;
-    without them (the first of `key_heads`' two kernels) no accumulators come in or go out."""
+                dtype, trash_pool: int, trash_entries: int, relaxed: bool, rotated: int, rows: int, stretches: int):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref, eblocks_ref = (refs.pop(0), refs.pop(0)) if n_entries else (None, None)
@@ -122,12 +103,9 @@ def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_wi
     delta_rotated_ref = refs.pop(0) if rotated else None
     pool_ref = refs.pop(0)
     ents_ref = refs.pop(0) if n_entries else None
-    if with_keys:
-        refs = refs[2 if n_entries else 1:]  # the aliased zero accumulators' input refs
-        dq_ref, dpool_ref = refs[0], refs[1]
-        dents_ref = refs[2] if n_entries else None
-    else:
-        dq_ref, dpool_ref, dents_ref = refs[0], None, None
+    refs = refs[2 if n_entries else 1:]  # the aliased zero accumulators' input refs
+    dq_ref, dpool_ref = refs[0], refs[1]
+    dents_ref = refs[2] if n_entries else None
     delta_ref = refs[-1]
 
     r = _row_of(pl.program_id(0), rows, stretches)
@@ -151,11 +129,16 @@ def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_wi
     def key_block(src_ref, idx_ref, grad_ref, trash, blk, dq):
         idx = idx_ref[r, pl.ds(blk * block_keys, block_keys)]  # [bk]
         k = src_ref[src, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D]
-        p, ds_scaled = _probabilities(q, do, k, idx, lse, delta, scale, dtype, dot)
+        logits, dp = dot(q, k, ((1,), (1,))), dot(do, k, ((1,), (1,)))
+        s = (logits.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
+        p = jnp.where((idx >= 0)[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [bh, bk]
+        ds = p * (dp - delta[:, None])
+        ds_scaled = (ds * scale).astype(dtype)
         dq = dq + dot(ds_scaled, k, ((1,), (0,)))
-        if with_keys:
-            dk = dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
-            _add_rows(grad_ref, src, idx, trash, cols, dk, relaxed)
+        dk = dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
+        # Keys a program does not have (-1) add into a trash row past the sources' rows.
+        rows = jnp.broadcast_to(jnp.where(idx >= 0, idx, trash)[:, None], dk.shape)
+        _atomic_add(grad_ref, (src, rows, jnp.broadcast_to(cols, dk.shape)), dk, relaxed)
         return dq
 
     def loop(src_ref, idx_ref, grad_ref, trash, n_blocks, dq):
@@ -166,75 +149,6 @@ def _bwd_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_wi
     if n_entries:
         dq = loop(ents_ref, eidx_ref, dents_ref, trash_entries, eblocks_ref[r], dq)
     dq_ref[...] = dq.astype(dq_ref.dtype)
-
-
-def _key_grads_kernel(*refs, scale: float, block_keys: int, rows_per_source: int, n_window: int, n_entries: int,
-                      dtype, trash_pool: int, trash_entries: int, relaxed: bool, rows: int, stretches: int):
-    """The second of `key_heads`' two kernels: one program's key gradients over its heads (all
-    of a row's, by default), added at their indices; delta comes from the first."""
-    refs = list(refs)
-    widx_ref = refs.pop(0)
-    eidx_ref, eblocks_ref = (refs.pop(0), refs.pop(0)) if n_entries else (None, None)
-    q_ref, do_ref, lse_ref, delta_ref, pool_ref = (refs.pop(0) for _ in range(5))
-    ents_ref = refs.pop(0) if n_entries else None
-    refs = refs[2 if n_entries else 1:]  # the aliased zero accumulators' input refs
-    dpool_ref = refs[0]
-    dents_ref = refs[1] if n_entries else None
-
-    r = _row_of(pl.program_id(0), rows, stretches)
-    src = r // rows_per_source
-    q = q_ref[...]  # [bh, D]
-    do = do_ref[...].reshape(q.shape)
-    lse, delta = lse_ref[...], delta_ref[...]  # [bh] float32
-    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    cols = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-
-    def dot(a, b, contract):
-        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=exact, preferred_element_type=jnp.float32)
-
-    def key_block(src_ref, idx_ref, grad_ref, trash, blk):
-        idx = idx_ref[r, pl.ds(blk * block_keys, block_keys)]  # [bk]
-        k = src_ref[src, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D]
-        p, ds_scaled = _probabilities(q, do, k, idx, lse, delta, scale, dtype, dot)
-        dk = dot(ds_scaled, q, ((0,), (0,))) + dot(p.astype(dtype), do, ((0,), (0,)))  # [bk, D]
-        _add_rows(grad_ref, src, idx, trash, cols, dk, relaxed)
-
-    def loop(src_ref, idx_ref, grad_ref, trash, n_blocks):
-        def body(i, carry):
-            key_block(src_ref, idx_ref, grad_ref, trash, i)
-            return carry
-        jax.lax.fori_loop(0, n_blocks, body, 0)
-
-    loop(pool_ref, widx_ref, dpool_ref, trash_pool, n_window)
-    if n_entries:
-        loop(ents_ref, eidx_ref, dents_ref, trash_entries, eblocks_ref[r])
-
-
-def _probabilities(q, do, k, idx, lse, delta, scale: float, dtype, dot):
-    """A key block's probabilities p [bh, bk] float32 and the logits' cotangent, scaled and in
-    the compute dtype, ds * scale [bh, bk] (0 where idx = -1)."""
-    logits, dp = dot(q, k, ((1,), (1,))), dot(do, k, ((1,), (1,)))
-    s = (logits.astype(dtype) * scale).astype(jnp.float32)  # the forward's rounding
-    p = jnp.where((idx >= 0)[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [bh, bk]
-    ds = p * (dp - delta[:, None])
-    return p, (ds * scale).astype(dtype)
-
-
-def _add_rows(grad_ref, src, idx, trash: int, cols, dk, relaxed: bool):
-    """grad[src, idx] += dk atomically; keys a program does not have (-1) add into a trash row
-    past the sources' rows."""
-    rows = jnp.broadcast_to(jnp.where(idx >= 0, idx, trash)[:, None], dk.shape)
-    _atomic_add(grad_ref, (src, rows, jnp.broadcast_to(cols, dk.shape)), dk, relaxed)
-
-
-def _triton_params(interpret: bool, dtype, num_warps: int, num_stages: int | None) -> dict:
-    if interpret:
-        return {}
-    from jax.experimental.pallas import triton as pl_triton
-
-    if num_stages is None:
-        num_stages = NUM_STAGES.get(jnp.dtype(dtype).itemsize, 1)
-    return {"compiler_params": pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
 def _atomic_add(ref, idx, values, relaxed: bool):
@@ -282,8 +196,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                               num_warps: int = NUM_WARPS, num_stages: int | None = None, relaxed: bool = True,
                               rotated: int = 0, delta_rotated: Array | None = None,
-                              row_stretches_most: int = ROW_STRETCHES, do_groups: int | None = None,
-                              key_heads: int | None = None, key_warps: int = KEY_WARPS, key_stages: int = KEY_STAGES):
+                              row_stretches_most: int = ROW_STRETCHES, do_groups: int | None = None):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -301,17 +214,10 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     (head g*H/G + j of row r at [g, r, j]), the layout in which the gradient of a grouped
     output projection (the layer's wo_a, batched over its G groups) leaves it: read as it is,
     XLA's transpose of it to [B, S, H, D] (a pass over it) cancels against the caller's.
-    `key_heads`: None, one kernel; an int, two: dq (and delta) by programs of `block_heads`
-    heads without atomic adds, then the key gradients by programs of `key_heads` heads
-    (`key_warps`, `key_stages`), which add each key's gradient once for those heads (H / key_heads
-    times a row, against H / block_heads), recomputing the probabilities (see the module's
-    docstring).
     """
     b, s, h, d = q.shape
     rows = b * s
     bh = min(block_heads, h)
-    if key_heads is not None and (key_heads < 1 or h % key_heads):
-        raise ValueError(f"key_heads: expected None or a divisor of the {h} heads, got {key_heads}")
     dtype = q.dtype
     widx = _pad_indices(window_idx.reshape(rows, -1).astype(jnp.int32), block_keys)
     eidx = entry_indices(rows, entries, picks, visible)
@@ -336,58 +242,41 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     dents0 = None if eidx is None else jnp.zeros((entries.shape[0], entries.shape[1] + 1, d), jnp.float32)
 
     stretches = row_stretches(rows, row_stretches_most)
-    row_of = functools.partial(_row_of, rows=rows, stretches=stretches)
-    common = dict(scale=d ** -0.5, block_keys=block_keys, rows_per_source=s, n_window=widx.shape[1] // block_keys,
-                  n_entries=n_entries, dtype=dtype, trash_pool=pool.shape[1],
-                  trash_entries=0 if eidx is None else entries.shape[1], relaxed=relaxed, rows=rows,
-                  stretches=stretches)
+    kernel = functools.partial(_bwd_kernel, scale=d ** -0.5, block_keys=block_keys, rows_per_source=s,
+                               n_window=widx.shape[1] // block_keys, n_entries=n_entries, dtype=dtype,
+                               trash_pool=pool.shape[1], trash_entries=0 if eidx is None else entries.shape[1],
+                               relaxed=relaxed, rotated=rotated, rows=rows, stretches=stretches)
     whole = pl.no_block_spec
-    per_head = pl.BlockSpec((None, bh, d), lambda i, g: (row_of(i), g, 0))
-    per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (row_of(i), g))
-    per_head_of_groups = _group_block_spec(do_by_group.shape[2], bh, d, row_of)
+    per_head = pl.BlockSpec((None, bh, d), lambda i, g: (_row_of(i, rows, stretches), g, 0))
+    per_head_stat = pl.BlockSpec((None, bh), lambda i, g: (_row_of(i, rows, stretches), g))
+    per_head_of_groups = _group_block_spec(do_by_group.shape[2], bh, d, lambda i: _row_of(i, rows, stretches))
     sources = [pool] + ([entries] if eidx is not None else [])
     accumulators = [dpool0] + ([dents0] if eidx is not None else [])
-    with_keys = key_heads is None
-    args = [*index_args, q_rows, do_by_group, o_rows, *stats, *sources, *(accumulators if with_keys else [])]
+    args = [*index_args, q_rows, do_by_group, o_rows, *stats, *sources, *accumulators]
     in_specs = ([whole] * len(index_args) + [per_head, per_head_of_groups, per_head] + [per_head_stat] * len(stats)
-                + [whole] * (len(sources) + (len(accumulators) if with_keys else 0)))
+                + [whole] * (len(sources) + len(accumulators)))
     first_acc = len(args) - len(accumulators)
-    acc_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators]
-    out_shape = [jax.ShapeDtypeStruct((rows, h, d), dtype), *(acc_shapes if with_keys else []),
+    out_shape = [jax.ShapeDtypeStruct((rows, h, d), dtype),
+                 *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in accumulators),
                  jax.ShapeDtypeStruct((rows, h), jnp.float32)]  # delta
-    dq, *dkeys, delta = pl.pallas_call(
-        functools.partial(_bwd_kernel, rotated=rotated, with_keys=with_keys, **common),
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        if num_stages is None:
+            num_stages = NUM_STAGES.get(jnp.dtype(dtype).itemsize, 1)
+        extra["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    dq, dpool, *dents, delta = pl.pallas_call(
+        kernel,
         grid=(rows, h // bh),
         in_specs=in_specs,
-        out_specs=[per_head] + [whole] * (len(accumulators) if with_keys else 0) + [per_head_stat],
+        out_specs=[per_head] + [whole] * len(accumulators) + [per_head_stat],
         out_shape=out_shape,
-        input_output_aliases={first_acc + i: 1 + i for i in range(len(accumulators))} if with_keys else {},
+        input_output_aliases={first_acc + i: 1 + i for i in range(len(accumulators))},
         interpret=interpret,
         name="sparse_attention_backward",
-        **_triton_params(interpret, dtype, num_warps, num_stages),
+        **extra,
     )(*args)
-    if not with_keys:
-        hk = key_heads
-        do_keys = _as_group_layout(do.astype(dtype), rows, h, d, do_groups, hk)
-        key_args = [*index_args, q_rows, do_keys, lse_rows, delta, *sources, *accumulators]
-        key_specs = ([whole] * len(index_args)
-                     + [pl.BlockSpec((None, hk, d), lambda i, g: (row_of(i), g, 0)),
-                        _group_block_spec(do_keys.shape[2], hk, d, row_of)]
-                     + [pl.BlockSpec((None, hk), lambda i, g: (row_of(i), g))] * 2
-                     + [whole] * (len(sources) + len(accumulators)))
-        first = len(key_args) - len(accumulators)
-        dkeys = pl.pallas_call(
-            functools.partial(_key_grads_kernel, **common),
-            grid=(rows, h // hk),
-            in_specs=key_specs,
-            out_specs=[whole] * len(accumulators),
-            out_shape=acc_shapes,
-            input_output_aliases={first + i: i for i in range(len(accumulators))},
-            interpret=interpret,
-            name="sparse_attention_backward_keys",
-            **_triton_params(interpret, dtype, key_warps, key_stages),
-        )(*key_args)
-    dpool, *dents = dkeys
     p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
     dsinks = -jnp.sum(p_sink * delta, axis=0)
     dentries = None if eidx is None else dents[0][:, :-1].astype(entries.dtype)

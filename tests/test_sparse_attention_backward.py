@@ -33,8 +33,6 @@ def xla_vjp(q, pool, widx, sinks, kwargs, do):
 
 
 def kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret, **blocks):
-    """The Triton kernels' cotangents (in interpret mode where `interpret`); `blocks`: the
-    backward's keyword arguments (blocks, `key_heads`, ...)."""
     o, lse = sak.sparse_attention_kernel(q, pool, widx, sinks, **kwargs, interpret=interpret, with_lse=True)
     dq, dpool, dsinks, dentries = sab.sparse_attention_backward(q, pool, widx, sinks, o, lse, do, **kwargs,
                                                                 interpret=interpret, **blocks)
@@ -61,33 +59,6 @@ def test_backward_kernel_equals_the_xla_vjp_in_float32(kind, s, blocks):
     # Jitted, as a training step runs them: one program a side (eagerly every operation compiles on its own).
     got = jax.jit(functools.partial(kernel_vjp, interpret=True, **blocks))(q, pool, widx, sinks, kwargs, do)
     assert_close(got, jax.jit(xla_vjp)(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
-
-
-@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_key_gradients_by_a_kernel_of_their_own_equal_the_one_kernel_form(kind, dtype):
-    """`key_heads`: dq by programs of 2 heads without atomic adds, then the key gradients by
-    programs of all 4 heads (each key's gradient added once a row, not twice): the XLA VJP's
-    cotangents in float32 (1e-5), and the one-kernel form's in bf16 up to the order of the adds."""
-    q, pool, widx, sinks, kwargs = query_inputs(kind, b=2, h=4, d=16, w=12, t=13, k=6, dtype=dtype, s=5)
-    do = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), dtype)
-    blocks = dict(block_keys=4, block_heads=2)
-    got = jax.jit(functools.partial(kernel_vjp, interpret=True, key_heads=4, **blocks))(q, pool, widx, sinks, kwargs, do)
-    if dtype == jnp.float32:
-        assert_close(got, jax.jit(xla_vjp)(q, pool, widx, sinks, kwargs, do), rtol=1e-5)
-    else:
-        one = jax.jit(functools.partial(kernel_vjp, interpret=True, **blocks))(q, pool, widx, sinks, kwargs, do)
-        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(one[0]))  # dq: the same program
-        assert_close(got, one, rtol=2 ** -7)
-    with pytest.raises(ValueError, match="key_heads: expected None or a divisor of the 4 heads, got 3"):
-        kernel_vjp(q, pool, widx, sinks, kwargs, do, interpret=True, key_heads=3, **blocks)
-
-
-def test_the_layer_takes_the_key_gradients_kernel_for_16_bit_queries_of_64_heads():
-    q = jnp.zeros((1, 2, 64, 16), jnp.bfloat16)
-    assert sab.key_heads_for(q) == sab.KEY_HEADS == 64
-    assert sab.key_heads_for(q.astype(jnp.float32)) is None  # float32 tiles of 64 heads: too large
-    assert sab.key_heads_for(q[:, :, :32]) is None  # nothing saved over one kernel's 32 heads
 
 
 @pytest.mark.parametrize("rows, most, stretches", [(4096, 64, 64), (48, 64, 16), (6, 64, 2), (15, 64, 1),
@@ -252,29 +223,3 @@ def test_triton_backward_by_output_group_at_flash_sizes(kind):
             continue
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * np.abs(want).max(), err_msg=name)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the Triton kernel needs CUDA")
-@pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_triton_key_gradients_kernel_at_flash_sizes(kind):
-    """The two-kernel form (`key_heads=64`, CSA's in the layer) at V4-Flash sizes in bf16: against
-    the float32 XLA VJP beside the XLA VJP's own bf16 error, as the one kernel is; dq is the one
-    kernel's program without its adds, bit for bit."""
-    t = 4096 if kind == "csa" else 129
-    q, pool, widx, sinks, kwargs = query_inputs(kind, b=1, h=64, d=512, w=128, t=t, k=512, dtype=jnp.float32, s=256)
-    do = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
-    want = xla_vjp(q, pool, widx, sinks, kwargs, do)
-    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
-    kw16 = {n: (bf(v) if n == "entries" else v) for n, v in kwargs.items()}
-    got16 = kernel_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do), interpret=False, key_heads=64)
-    one16 = kernel_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do), interpret=False)
-    xla16 = xla_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do))
-    np.testing.assert_array_equal(np.asarray(got16[0]), np.asarray(one16[0]))
-    for name, g, x, w in zip(("dq", "dpool", "dsinks", "dentries"), got16, xla16, want):
-        if w is None:
-            continue
-        scale = float(np.abs(np.asarray(w, np.float32)).max())
-        kernel_err = float(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)).max()) / scale
-        xla_err = float(np.abs(np.asarray(x, np.float32) - np.asarray(w, np.float32)).max()) / scale
-        print(f"bf16 backward, key gradients kernel, {kind} {name}: kernel {kernel_err:.2e}, XLA VJP {xla_err:.2e}")
-        assert kernel_err <= max(2 * xla_err, 2 ** -6)
