@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -228,9 +229,28 @@ def _streamed(ring: Array, projected: Array, buffered: Array, first_entry: Array
     from_new = (new_idx >= 0) & (new_idx < (n_new if np.ndim(n_new) == 0 else n_new[:, None]))
     unfinished = _ring_window(ring, first_entry, m)  # [B, m, X]: its first `buffered` slots
     old = xp.take_along_axis(unfinished, xp.clip(slot, 0, m - 1)[..., None], 1)
-    fresh = xp.take_along_axis(projected, xp.clip(new_idx, 0, seq - 1)[..., None], 1)
+    fresh = _rows_at(projected, new_idx)
     stream = xp.where(from_buffer[..., None], old, xp.where(from_new[..., None], fresh, xp.zeros_like(fresh)))
     return stream.reshape(batch, n_windows, m, -1), _ring_window(ring, first_entry - 1, m)
+
+
+def _rows_at(x: Array, idx: Array) -> Array:
+    """x [B, S, X] at per-row indices idx [B, N] -> [B, N, X]; an index outside [0, S) reads zeros.
+
+    One gather whose indices are unique and ascending within a row, and declared so: its
+    transpose (x's gradient) is then a plain scatter. A `take_along_axis` of the clipped
+    indices repeats the ends, and its transpose is a scatter-add that XLA:GPU runs with atomic
+    adds (0.26 ms a layer of a CSA B = 4 4k training step on the H200, session 55's profile).
+    """
+    if namespace(x, idx) is np:
+        inside = (idx >= 0) & (idx < x.shape[1])
+        rows = np.take_along_axis(x, np.clip(idx, 0, x.shape[1] - 1)[..., None], 1)
+        return np.where(inside[..., None], rows, np.zeros((), x.dtype))
+    batch = jax.lax.broadcasted_iota(np.int32, idx.shape, 0)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0, 1), start_index_map=(0, 1))
+    return jax.lax.gather(x, jnp.stack([batch, idx.astype(np.int32)], -1), dims, (1, 1, x.shape[2]),
+                          mode=jax.lax.GatherScatterMode.FILL_OR_DROP, fill_value=0, unique_indices=True,
+                          indices_are_sorted=True)
 
 
 def _one_token(ring: Array, first_entry: Array, m: int):
