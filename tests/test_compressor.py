@@ -99,3 +99,31 @@ def test_a_decode_step_copies_no_compressor_state(m, overlap, batch):
     state_shapes = {f"f32[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(state)}
     copies = re.findall(r"= (\S+) copy\(", entry)
     assert not [c for c in copies if c.split("{")[0] in state_shapes], f"copies of the state: {copies}"
+
+
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_the_streams_shift_reads_zeros_outside_and_differentiates_without_atomic_adds(xp):
+    """`_rows_at` (the stream's per-row shift of the call's tokens by the buffered count): x at
+    each row's indices, zeros outside [0, S); its gradient is the clipped `take_along_axis`'s
+    (the form it replaced), and its transpose is a scatter of unique indices (on CUDA a plain
+    store, where the clipped form's repeated ends made XLA add atomically)."""
+    from dsv4_jax.compressor import _rows_at
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(3, 6, 5)).astype(np.float32)
+    idx = (np.arange(10)[None, :] - np.array([[0], [2], [3]])).astype(np.int32)  # [3, 10]: -3 .. 9
+    inside = (idx >= 0) & (idx < 6)
+    want = np.where(inside[..., None], np.take_along_axis(x, np.clip(idx, 0, 5)[..., None], 1), 0)
+    np.testing.assert_array_equal(np.asarray(_rows_at(xp.asarray(x), xp.asarray(idx))), want)
+    if xp is np:
+        return
+    cot = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
+
+    def clipped(x):
+        return jnp.where(inside[..., None], jnp.take_along_axis(x, jnp.clip(idx, 0, 5)[..., None], 1), 0)
+
+    got = jax.vjp(lambda x: _rows_at(x, jnp.asarray(idx)), jnp.asarray(x))[1](cot)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.vjp(clipped, jnp.asarray(x))[1](cot)[0]), rtol=1e-6)
+    hlo = jax.jit(jax.grad(lambda x: jnp.sum(_rows_at(x, jnp.asarray(idx)) * cot))).lower(jnp.asarray(x)).as_text()
+    scatters = re.findall(r"stablehlo\.scatter.*", hlo)
+    assert scatters and all("unique_indices = true" in s for s in scatters), scatters
