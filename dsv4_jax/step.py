@@ -51,6 +51,7 @@ from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .head_norm_kernel import query_norm
 from .indexer import IndexerWeights, head_weights, index_queries
 from .norms import rms_norm
+from .projection_kernel import projection
 from .quantized_cache import check_cache_numerics, read, read_picked
 from .rope import apply_rope, attention_factor, inv_freq, rotate_in_place
 from .sparse_attention import OutputRotation, key_pool, sparse_attention
@@ -329,16 +330,19 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 
 
-def input_projections(x: Array, weights: AttentionWeights, cfg: DeepseekV4Config, dtype, prec) -> StageInputs:
+def input_projections(x: Array, weights: AttentionWeights, cfg: DeepseekV4Config, dtype, prec,
+                      kernel: str = "xla") -> StageInputs:
     """Stage 1: x [B, S, hidden] -> `StageInputs` (q_residual, kv; the compressors' kv and gate
     and the indexer's head weights where the layer has them).
 
     One GEMM over `weights.input_proj` where it is set (then split by the projections'
-    widths), else one GEMM per projection: the same products."""
+    widths), else one GEMM per projection: the same products. `kernel`: the plan's
+    ``projections`` (`projection_kernel.projection`)."""
+    project = functools.partial(projection, "bsh,hn->bsn", out_dtype=dtype, precision=prec, kernel=kernel)
     if weights.input_proj is None:
-        outs = [einsum("bsh,hn->bsn", x, w, out_dtype=dtype, precision=prec) for w in input_projection_weights(weights)]
+        outs = [project(x, w) for w in input_projection_weights(weights)]
     else:
-        fused = einsum("bsh,hn->bsn", x, weights.input_proj, out_dtype=dtype, precision=prec)
+        fused = project(x, weights.input_proj)
         edges = np.cumsum([w.shape[1] for w in input_projection_weights(weights)])[:-1]
         outs = jnp.split(fused, edges, axis=-1)
     q_residual = rms_norm(outs[0], weights.q_a_norm, cfg.rms_norm_eps)
@@ -401,7 +405,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
 
     # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
     with jax.named_scope("input_projections"):
-        inputs = input_projections(x, weights, cfg, dtype, prec)
+        inputs = input_projections(x, weights, cfg, dtype, prec, spec.plan.kernels.projections)
 
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
     if spec.plan.mode == "wide":
@@ -515,10 +519,12 @@ def output_projection(o, weights: AttentionWeights, spec: StepSpec):
     """Stage 6: o [B, S, H, D] (de-rotated: `output_rotation`) -> groups [B, S, G, H*D/G] -> wo_a
     -> wo_b [B, S, hidden]."""
     cfg, dtype = spec.cfg, spec.dtype
+    kernel = spec.plan.kernels.projections
     grouped = o.reshape(*o.shape[:2], cfg.o_groups, -1)
-    z = einsum("bsgi,gir->bsgr", grouped, weights.o_a_proj, out_dtype=dtype, precision=spec.precision)
+    z = projection("bsgi,gir->bsgr", grouped, weights.o_a_proj, out_dtype=dtype, precision=spec.precision,
+                   kernel=kernel)
     z = z.reshape(*z.shape[:2], -1)
-    return einsum("bsr,rh->bsh", z, weights.o_b_proj, out_dtype=dtype, precision=spec.precision)
+    return projection("bsr,rh->bsh", z, weights.o_b_proj, out_dtype=dtype, precision=spec.precision, kernel=kernel)
 
 
 def sharded_attention_step(weights, cache, hidden_states, positions, spec):

@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(not _cuda_plugin(), reason="needs jax's CUDA plu
 NATIVE_CUDA = dsv4_jax.native_info()["cuda"]["built"]
 # Every Pallas kernel, and the native selection where it is built, wherever the step can take them.
 EVERY_KERNEL = KernelPlan(select="native" if NATIVE_CUDA else "xla", decode_attention="pallas",
-                          prefill_attention="pallas", compress="pallas", query_norm="pallas", select_scores="pallas")
+                          prefill_attention="pallas", compress="pallas", query_norm="pallas", projections="pallas",
+                          select_scores="pallas")
 
 
 @functools.cache  # a case compiles once for the tests that read it
@@ -145,3 +146,15 @@ def test_the_range_kernels_keep_their_registers(kernel, tmp_path, monkeypatch):
     reports = [p.read_text() for p in tmp_path.rglob("*ptxas*")]
     assert reports, f"no ptxas report in {sorted(p.name for p in tmp_path.iterdir())}"
     assert "0 bytes spill stores, 0 bytes spill loads" in reports[-1], reports[-1]
+
+
+def test_the_projection_kernel_compiles_at_flash_size_in_a_batchs_decode_step():
+    """V4-Flash CSA decode at B = 32 with `KernelPlan(projections="pallas")`: the kernel's own blocks
+    ((64, 128) for wo_a, (32, 256) for wo_b and the fused input projections) through Triton and
+    ptxas, inside the step's one CUDA graph; the output projection is 2 launches, not XLA's 4
+    (each GEMM's split-K sum after it)."""
+    base = _census("decode", "csa", 32, 16384, size="flash")
+    row = _census("decode", "csa", 32, 16384, size="flash", kernels=KernelPlan(projections="pallas"))
+    assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
+    assert row["triton_calls"] == base["triton_calls"] + 3  # input projections, wo_a, wo_b
+    assert row["stages_per_layer"]["output_projection"] == 2 < base["stages_per_layer"]["output_projection"]
