@@ -2,8 +2,9 @@
 Pallas (Triton) kernel, for decode steps of a batch.
 
 A decode step of B rows multiplies B tokens by each projection's weights: the input
-projections' [hidden, n] (fused, `step.fuse_input_projections`), the grouped ``wo_a``
-[G, H*D/G, R] and ``wo_b`` [G*R, hidden]. At 1-64 rows the product only streams the weights
+projections' [hidden, n] where they are fused (a CSA layer's, `step.fuse_input_projections`;
+an HCA or sliding layer's separate ones stay XLA's, which merges them into one GEMM), the
+grouped ``wo_a`` [G, H*D/G, R] and ``wo_b`` [G*R, hidden]. At 1-64 rows the product only streams the weights
 (V4-Flash: 34-67 MB a projection a layer), so its time is the weights' bytes over the memory
 bandwidth XLA's GEMM reaches. On an H100 at 32 rows XLA's GEMMs (split-K, then a sum kernel) read
 them at 2.0-2.3 TB/s and this kernel (one program per column block, the whole K in a loop, no

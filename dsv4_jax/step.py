@@ -337,12 +337,13 @@ def input_projections(x: Array, weights: AttentionWeights, cfg: DeepseekV4Config
 
     One GEMM over `weights.input_proj` where it is set (then split by the projections'
     widths), else one GEMM per projection: the same products. `kernel`: the plan's
-    ``projections`` (`projection_kernel.projection`)."""
-    project = functools.partial(projection, "bsh,hn->bsn", out_dtype=dtype, precision=prec, kernel=kernel)
+    ``projections`` (`projection_kernel.projection`), for the fused GEMM only: separate
+    projections stay XLA's, which merges them into one GEMM (a kernel each would be 4-7 launches
+    of a few programs each)."""
     if weights.input_proj is None:
-        outs = [project(x, w) for w in input_projection_weights(weights)]
+        outs = [einsum("bsh,hn->bsn", x, w, out_dtype=dtype, precision=prec) for w in input_projection_weights(weights)]
     else:
-        fused = project(x, weights.input_proj)
+        fused = projection("bsh,hn->bsn", x, weights.input_proj, out_dtype=dtype, precision=prec, kernel=kernel)
         edges = np.cumsum([w.shape[1] for w in input_projection_weights(weights)])[:-1]
         outs = jnp.split(fused, edges, axis=-1)
     q_residual = rms_norm(outs[0], weights.q_a_norm, cfg.rms_norm_eps)
