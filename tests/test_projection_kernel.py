@@ -134,8 +134,9 @@ def test_the_plan_names_the_stage():
 @pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
 def test_a_layer_decoding_through_the_kernel_equals_the_layer_without(layer, monkeypatch):
     """The tiny layer in float32, a prefill then decode steps of a batch of 3 with the kernel
-    for the input and output projections (the prefill's 3 x 20 rows too): the outputs and the
-    caches agree with XLA's products, and the kernel ran in both phases."""
+    for the output projections and (CSA, whose input projections are fused) the input ones, the
+    prefill's 3 x 20 rows too: the outputs and the caches agree with XLA's products, and the
+    kernel ran in both phases."""
     calls, project = [], projection_kernel.project
     monkeypatch.setattr(projection_kernel, "project", lambda x, w, **kw: calls.append(len(x)) or project(x, w, **kw))
     cfg = dsv4_jax.DeepseekV4Config.tiny()
