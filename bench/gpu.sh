@@ -50,7 +50,7 @@ gates() {
     tests/test_sparse_attention_backward.py tests/test_sparse_attention_backward_wgmma.py tests/test_gradients.py \
     tests/test_sparse_attention_kernel.py \
     tests/test_compressor_kernel.py tests/test_indexer_kernel.py tests/test_head_norm_kernel.py \
-    tests/test_projection_kernel.py ${GATES_K:+-k "$GATES_K"} \
+    tests/test_projection_kernel.py tests/test_split_merge_kernel.py ${GATES_K:+-k "$GATES_K"} \
     >"$OUT/gpu_gates.log" 2>&1
   echo "kernel gates rc=$?"
   grep -E "bf16|passed|failed|FAILED|Error" "$OUT/gpu_gates.log" | tail -40

@@ -602,13 +602,14 @@ def environment() -> dict:
 KERNEL_FLAGS = {"decode_attention": ("decode_kernel", "no_decode_kernel"),
                 "prefill_attention": ("prefill_kernel", "no_prefill_kernel"),
                 "compress": ("compress_kernel", "no_compress_kernel"),
-                "projections": ("projection_kernel", "no_projection_kernel")}
+                "projections": ("projection_kernel", "no_projection_kernel"),
+                "split_merge": ("merge_kernel", "no_merge_kernel")}
 
 
 def kernel_plan(args, kernels="auto") -> KernelPlan:
     """`kernels` (a mode's name or plan) with the command line's A/B switches: --(no-)decode-kernel,
-    --(no-)prefill-kernel, --(no-)compress-kernel, --(no-)projection-kernel ("pallas" / "xla" for
-    that stage), --decode-blocks
+    --(no-)prefill-kernel, --(no-)compress-kernel, --(no-)projection-kernel, --(no-)merge-kernel
+    ("pallas" / "xla" for that stage), --decode-blocks
     and --prefill-blocks (the kernel's blocks wherever it runs for that phase), --select-segments
     (blocks a row of the native top-k), --select-keys and --select-scores (how the native
     selection reads an FP8 cache's keys, and whose scores its top-k picks from)."""
@@ -839,6 +840,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--projection-kernel", action="store_true",
                     help="the input and output projections of calls of at most 64 token rows by the Pallas kernel "
                          "on CUDA (projections = 'pallas'; dsv4_jax.projection_kernel) for A/B runs")
+    ap.add_argument("--no-merge-kernel", action="store_true",
+                    help="decode attention's key splits merged by XLA (split_merge = 'xla'; the default today)")
+    ap.add_argument("--merge-kernel", action="store_true",
+                    help="decode attention's key splits merged with the sink and de-rotated by one Pallas kernel "
+                         "on CUDA (split_merge = 'pallas'; dsv4_jax.split_merge_kernel) for A/B runs")
     ap.add_argument("--select-segments", default=None, type=int, metavar="P",
                     help="blocks a query row of the native CUDA top-k (KernelPlan select_segments; 1: one "
                          "block a row; default: native.topk_segments)")

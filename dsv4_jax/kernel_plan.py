@@ -28,6 +28,9 @@ stage                  kernel                                 reference
 ``projections``        the input and output projections of    XLA's GEMM (`backend.einsum`)
                        a few token rows as a Pallas kernel
                        (`projection_kernel`)
+``split_merge``        decode attention's key splits merged   `split_merge_kernel.combine`, then
+                       with the sink and de-rotated as one    `rope.apply_rope`
+                       Pallas kernel (`split_merge_kernel`)
 =====================  =====================================  ==================================
 
 `kernels=` names a whole plan:
@@ -37,8 +40,9 @@ stage                  kernel                                 reference
   CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step, the indexer's scoring kernel
   for bf16 calls of several queries a row, the queries' norm kernels for calls of several
   queries a row, the sparse attention kernel's gradient over key ranges for HCA and by index
-  for the rest); the XLA reference elsewhere (the projections' kernel is not a default yet: it
-  has not been timed inside a step on the H200).
+  for the rest, the split merge's kernel for CSA decode batches of at least 16 rows); the XLA
+  reference elsewhere (the projections' kernel is not a default: inside a decode step it measured
+  level with XLA's products).
 * ``"xla"``: every stage by its XLA reference: no native handler, no Pallas kernel.
 * ``"native"``: as "auto", but the native handlers are required (an error names why they are not
   usable).
@@ -72,7 +76,7 @@ STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
 BACKWARD_CHOICES = ("auto", "triton", "wgmma", "xla")
-PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm", "projections")
+PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm", "projections", "split_merge")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +90,14 @@ class KernelPlan:
     query_norm:        the same, for the queries' per-head RMSNorm and its gradient
                        (`head_norm_kernel`; "auto": for calls of several queries a row)
     projections:       the same, for the input and output projections of calls of at most 64
-                       token rows (`projection_kernel`; "auto": XLA's GEMMs, until the kernel
-                       is timed in a decode step on the H200)
+                       token rows (`projection_kernel`; "auto": XLA's GEMMs: inside a decode
+                       step on an H100 the kernel measured level with them at B = 32, slower
+                       at B = 1)
+    split_merge:       the same, for merging the decode attention kernel's key splits with the
+                       sink and undoing the output's RoPE in one kernel (`split_merge_kernel`;
+                       where that kernel splits a row's keys; "auto": the kernel for CSA calls
+                       of at least 16 rows, where it measured faster, XLA's merge elsewhere:
+                       `split_merge_kernel.choose`)
     attention_backward: "auto" | "triton" | "wgmma" | "xla"  the gradient of the sparse attention
                        kernel where it runs. "triton": its backward kernel by index
                        (`sparse_attention_backward`, where that kernel takes the shapes; interpret
@@ -132,6 +142,7 @@ class KernelPlan:
     compress: str = "auto"
     query_norm: str = "auto"
     projections: str = "auto"
+    split_merge: str = "auto"
     attention_backward: str = "auto"
     decode_blocks: tuple[int, ...] | None = None
     prefill_blocks: tuple[int, ...] | None = None

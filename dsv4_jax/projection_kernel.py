@@ -21,11 +21,13 @@ Numerics are XLA's GEMM's: operands in the layer's dtype, float32 accumulation, 
 only the order of the float32 sums may differ (`tests/test_projection_kernel.py`). The kernel
 differentiates as the XLA einsum (`backend.differentiated_as`).
 
-Where it runs is the step's `KernelPlan` ``projections``: "auto" keeps XLA's products everywhere
-until the kernel has measured faster inside a decode step on the H200 (the H100's figures above
-are the products alone); "pallas" the kernel on CUDA for every call it takes (bf16 or fp16, at
-most `MAX_ROWS` token rows, K a power of two, N a multiple of 16); "interpret" the kernel in
-Pallas' interpret mode on any backend (tests); "xla" never.
+Where it runs is the step's `KernelPlan` ``projections``: "auto" keeps XLA's products everywhere:
+inside a decode step the products' gain did not show (an H100, V4-Flash stacks of 4 at 16k, one
+machine: CSA B = 32 0.201 ms a layer with the kernel against 0.201 / 0.199 without, HCA B = 32
+0.131 against 0.134 / 0.137, within the processes' spread; B = 1 slower, HCA 0.123 against 0.115;
+bench/RESULTS.md "Decode toward the floor", session 61); "pallas" the kernel on CUDA for every
+call it takes (bf16 or fp16, at most `MAX_ROWS` token rows, K a power of two, N a multiple of
+16); "interpret" the kernel in Pallas' interpret mode on any backend (tests); "xla" never.
 """
 
 from __future__ import annotations

@@ -79,11 +79,7 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     """
     xp = namespace(x, positions, freqs)
     half = freqs.shape[-1]
-    angle = positions.astype(np.float32)[..., None] * freqs.astype(np.float32)  # [..., rd/2]
-    cos = (xp.cos(angle) * scale).astype(x.dtype).astype(np.float32)
-    sin = (xp.sin(angle) * scale).astype(x.dtype).astype(np.float32)
-    if inverse:
-        sin = -sin
+    cos, sin = rotation_tables(positions, freqs, scale, x.dtype, inverse=inverse, xp=xp)
     nope, rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
     pairs = rot.astype(np.float32).reshape(*rot.shape[:-1], half, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -92,6 +88,17 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     if in_place and xp is not np:
         return update_trailing(x, rotated)
     return xp.concatenate([nope, rotated], axis=-1)
+
+
+def rotation_tables(positions: Array, freqs: Array, scale: float, dtype, *, inverse: bool = False, xp=None):
+    """cos and sin of ``positions * freqs`` as `apply_rope` uses them: float32 [..., rd/2] of
+    values rounded to `dtype` (times `scale`), sin negated for the inverse rotation. `xp`: the
+    array namespace to compute them in (default: jax.numpy for JAX arguments, else NumPy)."""
+    xp = xp or namespace(positions, freqs)
+    angle = positions.astype(np.float32)[..., None] * freqs.astype(np.float32)  # [..., rd/2]
+    cos = (xp.cos(angle) * scale).astype(dtype).astype(np.float32)
+    sin = (xp.sin(angle) * scale).astype(dtype).astype(np.float32)
+    return cos, (-sin if inverse else sin)
 
 
 def rotate_in_place(x: Array, positions: Array, freqs: np.ndarray, *, inverse: bool = False,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sparse_attention_backward, sparse_attention_backward_wgmma, sparse_attention_kernel
+from . import sparse_attention_backward, sparse_attention_backward_wgmma, sparse_attention_kernel, split_merge_kernel
 from .backend import QUERY_BLOCK, Array, einsum, is_tracer, map_query_blocks, reference_vjp
 from .kernel_plan import AUTO, KernelPlan
 from .rope import apply_rope
@@ -184,8 +184,10 @@ def sparse_attention(
         chosen = _kernel_blocks(q, entries, picks, kernels)
         if chosen is not None:
             static = None if rotation is None else (rotation.freqs, float(rotation.scale))
+            kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
+            merge = split_merge_kernel.choose(kernels.split_merge, kind, q.shape[0] * q.shape[1])
             attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static,
-                                output_groups=output_groups, window_contiguous=window_contiguous)
+                                output_groups=output_groups, window_contiguous=window_contiguous, merge=merge)
             positions = None if rotation is None else rotation.positions
             return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible, positions))
     out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
@@ -224,7 +226,7 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
 
 
 def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None,
-               output_groups: int = 1, window_contiguous: bool = False):
+               output_groups: int = 1, window_contiguous: bool = False, merge: str = "xla"):
     """``f(q, pool, window_idx, sinks, entries, picks, visible, positions) -> o`` by the kernel,
     with a gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where
     the Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels
@@ -237,7 +239,10 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     `output_groups`: G, the cotangent goes to the backward kernel as [G, B*S, H/G, D]
     (`sparse_attention`). ``backward="wgmma"``: the range kernels
     (`sparse_attention_backward_wgmma`) where they take the call (`window_contiguous`: the
-    caller's promise that each window is a range), else as "auto"."""
+    caller's promise that each window is a range), else as "auto". `merge`: how the kernel's
+    key splits are merged with the sink and de-rotated where it splits them ("xla", "pallas",
+    "interpret": `split_merge_kernel`, chosen from the plan's ``split_merge`` by
+    `split_merge_kernel.choose`)."""
 
     def on_platform(kernel, default):
         if interpret:
@@ -251,12 +256,10 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
         return derotate(reference(q, pool, window_idx, sinks, entries, picks, visible), positions)
 
     def forward(q, pool, window_idx, sinks, entries, picks, visible, positions, with_lse=False):
-        o = sparse_attention_kernel.sparse_attention_kernel(
+        return sparse_attention_kernel.sparse_attention_kernel(
             q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible, interpret=interpret,
-            with_lse=with_lse, **blocks)
-        if with_lse:
-            return derotate(o[0], positions), o[1]
-        return derotate(o, positions)
+            with_lse=with_lse, rotation=None if rotation is None else (positions, *rotation), merge=merge,
+            **blocks)
 
     attend = on_platform(forward, composed)
     bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,

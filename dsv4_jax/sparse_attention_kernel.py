@@ -18,7 +18,8 @@ R = B * S rows, and row r reads the sources of batch row r // S.
 
 With one split (prefill: R alone fills the GPU) the program merges the sink itself and writes
 the output in the compute dtype; with several (decode at small B) it writes its float32
-partials and one small XLA fusion merges the splits with the sink (`combine`). K = V (each key
+partials, merged with the sink after it by XLA (`combine`) or by one more kernel that also
+undoes the output's RoPE (`split_merge_kernel`, the plan's ``split_merge``). K = V (each key
 is its own value), as everywhere in this layer.
 
 Numerics follow the XLA path: the logits are rounded to the compute dtype before the scale
@@ -41,7 +42,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import split_merge_kernel
 from .backend import Array
+from .rope import apply_rope
+from .split_merge_kernel import combine
 
 # Keys per block and heads per program (Triton's dot needs every dimension >= 16 and a power
 # of two); `splits` spreads a row's key blocks over programs when R * H / bh alone would leave
@@ -303,20 +307,6 @@ def default_splits(q: Array, window_idx: Array, entry_idx: Array | None, block_k
     return max(1, min(-(-n_keys // block_keys), TARGET_PROGRAMS // (r * (h // min(block_heads, h)))))
 
 
-def combine(acc: Array, m: Array, total: Array, sinks: Array, dtype, with_lse: bool = False):
-    """Merge the splits and the sink: [R, splits, H, D], [R, splits, H] x2, sinks [H] -> [R, H, D]
-    (and, `with_lse`, the log-normaliser [R, H] float32).
-
-    The sink's logit joins the softmax denominator only (its value vector is zero)."""
-    sink = sinks.astype(jnp.float32)[None, :]
-    top = jnp.maximum(jnp.max(m, axis=1), sink)  # [R, H]: finite, the sink is
-    w = jnp.exp(m - top[:, None])  # [R, splits, H]; 0 for a split with no key
-    num = jnp.sum(acc * w[..., None], axis=1)
-    den = jnp.sum(total * w, axis=1) + jnp.exp(sink - top)
-    o = (num / den[..., None]).astype(dtype)
-    return (o, top + jnp.log(den)) if with_lse else o
-
-
 def entry_indices(rows: int, entries: Array | None, picks: Array | None, visible: Array | None) -> Array | None:
     """The entries each query row reads, [rows, K] int32 (-1 = none): CSA's picks, HCA's visible
     slots ``w < visible`` (in slot order: a prefix, then -1), None without entries."""
@@ -334,7 +324,7 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                             block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                             splits: int | None = None, skip_masked_blocks: bool = False,
-                            with_lse: bool = False):
+                            with_lse: bool = False, rotation: tuple | None = None, merge: str = "xla"):
     """`sparse_attention` by the kernel (no attention masses): the same arguments.
 
     q [B, S, H, D], pool [B, W+S, D], window_idx [B, S, W], sinks [H]; entries [B, T, D] with
@@ -346,6 +336,12 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
     invisible HCA entries after it are skipped instead of computed and masked); the loop's trip
     count becomes per row. Same result; the CUDA table turns it on for prefill and for HCA's
     batch decode (`CUDA_DEFAULT_BLOCKS`' fifth value).
+
+    rotation: None, or (positions [B, S] int, freqs float32 [half] (NumPy), scale): o is returned
+    de-rotated at each query's position (the layer's inverse RoPE, `rope.apply_rope(...,
+    inverse=True)` on the trailing 2 * half channels). merge: how several splits are merged with
+    the sink (and that rotation): "xla" (`combine`, then the rotation in place), "pallas" or
+    "interpret" (`split_merge_kernel`: one kernel; without `with_lse` only).
     """
     b, s, h, d = q.shape
     entry_idx = entry_indices(b * s, entries, picks, visible)
@@ -357,8 +353,17 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                   num_stages=num_stages, splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks)
     if splits == 1:
         o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks, with_lse=with_lse)
+    elif merge != "xla" and not with_lse and split_merge_kernel.takes(q, rotation):
+        partials = _call(rows, pool, widx, entries, entry_idx, None, **blocks)
+        merge_rotation = None if rotation is None else (rotation[0].reshape(b * s), *rotation[1:])
+        o = split_merge_kernel.merge_splits(*partials, sinks, q.dtype, merge_rotation,
+                                            interpret=interpret or merge == "interpret")
+        return o.reshape(b, s, h, d)  # de-rotated by the kernel
     else:
         o = combine(*_call(rows, pool, widx, entries, entry_idx, None, **blocks), sinks, q.dtype, with_lse)
-    if with_lse:
-        return o[0].reshape(b, s, h, d), o[1].reshape(b, s, h)
-    return o.reshape(b, s, h, d)
+    lse = o[1].reshape(b, s, h) if with_lse else None
+    o = (o[0] if with_lse else o).reshape(b, s, h, d)
+    if rotation is not None:
+        positions, freqs, scale = rotation
+        o = apply_rope(o, positions[..., None], freqs, inverse=True, scale=scale, in_place=True)
+    return (o, lse) if with_lse else o

@@ -143,6 +143,19 @@ def random_layer(cfg, layer: int, seed: int = 0, break_mode: str = "narrow", **k
     return attn
 
 
+def prefill_then_decode(attn, hidden, prefill: int, max_seq_len: int = 32):
+    """A prompt of `prefill` tokens a row, then one token a step to the end of `hidden` [B, S, hidden]:
+    (the outputs [B, S, hidden] as NumPy, the final cache's leaves)."""
+    b, s = hidden.shape[:2]
+    cache = attn.init_cache(b, max_seq_len)
+    out, cache = attn(hidden[:, :prefill], jnp.tile(jnp.arange(prefill, dtype=jnp.int32), (b, 1)), cache)
+    outs = [np.asarray(out)]
+    for t in range(prefill, s):
+        out, cache = attn(hidden[:, t:t + 1], jnp.full((b, 1), t, jnp.int32), cache)
+        outs.append(np.asarray(out))
+    return np.concatenate(outs, axis=1), jax.tree.leaves(cache)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -36,7 +36,7 @@ NATIVE_CUDA = dsv4_jax.native_info()["cuda"]["built"]
 # Every Pallas kernel, and the native selection where it is built, wherever the step can take them.
 EVERY_KERNEL = KernelPlan(select="native" if NATIVE_CUDA else "xla", decode_attention="pallas",
                           prefill_attention="pallas", compress="pallas", query_norm="pallas", projections="pallas",
-                          select_scores="pallas")
+                          split_merge="pallas", select_scores="pallas")
 
 
 @functools.cache  # a case compiles once for the tests that read it
@@ -158,3 +158,19 @@ def test_the_projection_kernel_compiles_at_flash_size_in_a_batchs_decode_step():
     assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
     assert row["triton_calls"] == base["triton_calls"] + 3  # input projections, wo_a, wo_b
     assert row["stages_per_layer"]["output_projection"] == 2 < base["stages_per_layer"]["output_projection"]
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_the_split_merge_kernel_shortens_a_decode_steps_chain(batch):
+    """V4-Flash CSA decode where the attention kernel splits each row's keys (B = 1: 32 splits;
+    B = 32: 4) with `KernelPlan(split_merge="pallas")`: the splits' merge, the sink and the inverse
+    RoPE as one Triton kernel inside the step's CUDA graph, in place of XLA's two to four
+    kernels one after another (fewer launches on the critical path)."""
+    base = _census("decode", "csa", batch, 16384, size="flash", kernels=KernelPlan(split_merge="xla"))
+    row = _census("decode", "csa", batch, 16384, size="flash", kernels=KernelPlan(split_merge="pallas"))
+    if batch == 32:  # "auto" takes the kernel for CSA batches (split_merge_kernel.AUTO_MIN_ROWS)
+        assert _census("decode", "csa", batch, 16384, size="flash")["triton_calls"] == row["triton_calls"]
+    assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
+    assert row["triton_calls"] == base["triton_calls"] + 1
+    assert row["stages_per_layer"]["sparse_attention"] < base["stages_per_layer"]["sparse_attention"]
+    assert row["critical_path_per_layer"] < base["critical_path_per_layer"]

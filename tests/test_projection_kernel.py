@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_layer
+from helpers import prefill_then_decode, random_layer
 
 import dsv4_jax
 from dsv4_jax import KernelPlan, projection_kernel
@@ -144,13 +144,7 @@ def test_a_layer_decoding_through_the_kernel_equals_the_layer_without(layer, mon
 
     def run(kernel):
         attn = random_layer(cfg, layer, seed=layer, break_mode="none", kernels=KernelPlan(projections=kernel))
-        cache = attn.init_cache(3, 32)
-        out, cache = attn(hidden[:, :20], jnp.tile(jnp.arange(20, dtype=jnp.int32), (3, 1)), cache)
-        outs = [np.asarray(out)]
-        for t in range(20, 26):
-            out, cache = attn(hidden[:, t:t + 1], jnp.full((3, 1), t, jnp.int32), cache)
-            outs.append(np.asarray(out))
-        return np.concatenate(outs, axis=1), jax.tree.leaves(cache)
+        return prefill_then_decode(attn, hidden, 20)
 
     (want, want_cache), (got, got_cache) = run("xla"), run("interpret")
     assert {3, 60} <= set(calls)  # decode rows and the prefill's

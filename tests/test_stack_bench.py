@@ -40,13 +40,13 @@ def test_the_command_lines_kernel_switches_become_the_layers_plan():
     from dsv4_jax import KernelPlan
 
     args = stack.build_parser().parse_args(["--prefill-blocks", "32,64,4,2,0", "--no-compress-kernel",
-                                            "--decode-kernel", "--projection-kernel"])
+                                            "--decode-kernel", "--projection-kernel", "--merge-kernel"])
     assert stack.kernel_plan(args) == KernelPlan(decode_attention="pallas", compress="xla", projections="pallas",
-                                                 prefill_blocks=(32, 64, 4, 2, 0))
+                                                 split_merge="pallas", prefill_blocks=(32, 64, 4, 2, 0))
     assert stack.kernel_plan(args, "xla") == KernelPlan(select="xla", decode_attention="pallas",
                                                         prefill_attention="xla", compress="xla",
                                                         query_norm="xla", projections="pallas",
-                                                        attention_backward="xla",
+                                                        split_merge="pallas", attention_backward="xla",
                                                         prefill_blocks=(32, 64, 4, 2, 0))
     cfg = stack.stack_config("tiny", 2)
     st = stack.Stack(cfg, "csa", 1, "float32", 0, "none", kernel_args=args)
