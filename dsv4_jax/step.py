@@ -257,6 +257,13 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     # Where the norm may be a kernel (reverse mode only already), RoPE's gradient rotates the
     # cotangent in its own buffer (`rotate_in_place`); "xla" keeps forward-mode AD possible.
     rotate = functools.partial(apply_rope, in_place=True) if norm == "xla" else rotate_in_place
+    if q.shape[1] == 1:
+        # One query a row (decode): a small array, rotated into a new one. Compiled for the H200,
+        # XLA then fuses the rotation with its concatenation, one kernel after the norm where the
+        # in-place update took three (two products, the update): a batch's step has 2 launches a
+        # layer fewer, HCA's chain one fewer (bench/RESULTS.md "Decode toward the floor",
+        # session 61). Same values.
+        rotate = functools.partial(apply_rope, in_place=False)
     q = rotate(query_norm(q, cfg.rms_norm_eps, norm), positions[..., None], freqs, scale=scale)
     kv = apply_rope(kv, positions, freqs, scale=scale)
     round_kv, _ = official_roundings(spec)

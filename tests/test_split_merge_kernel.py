@@ -88,18 +88,20 @@ def test_blocks_and_the_shapes_it_takes():
     assert not split_merge_kernel.takes(q, rotation(1, 12))
 
 
-def test_the_attention_kernel_merges_its_splits_through_it():
+@pytest.mark.parametrize("queries", [1, 3], ids=["decode", "prompt"])
+def test_the_attention_kernel_merges_its_splits_through_it(queries):
     """`sparse_attention_kernel` with several splits and an output rotation: merge "interpret"
-    (the kernel) equals merge "xla" (`combine`, then the rotation)."""
+    (the kernel) equals merge "xla" (`combine`, then the rotation), for one query a row and for
+    several (each query a row of its own, at its own position)."""
     rng = np.random.default_rng(5)
-    b, h, d, w, t, k = 2, 8, 64, 16, 40, 8
-    q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.float32)
+    b, s, h, d, w, t, k = 2, queries, 8, 64, 16, 40, 8
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32)
     pool = jnp.asarray(rng.normal(size=(b, w, d)), jnp.float32)
-    window_idx = jnp.asarray(np.where(np.arange(w) < 11, np.arange(w), -1)[None, None].repeat(b, 0), jnp.int32)
+    window_idx = jnp.asarray(np.broadcast_to(np.where(np.arange(w) < 11, np.arange(w), -1), (b, s, w)), jnp.int32)
     entries = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
-    picks = jnp.asarray(rng.permutation(t)[:k][None, None].repeat(b, 0), jnp.int32).at[1, 0, -3:].set(-1)
+    picks = jnp.asarray(np.broadcast_to(rng.permutation(t)[:k], (b, s, k)), jnp.int32).at[1, 0, -3:].set(-1)
     sinks = jnp.asarray(rng.normal(size=h), jnp.float32)
-    positions = jnp.asarray([[7], [900]], jnp.int32)
+    positions = jnp.asarray(rng.integers(0, 5000, size=(b, s)), jnp.int32)
     rot = (positions, rotation(1, 8)[1], 1.0)
     run = lambda merge: sparse_attention_kernel(q, pool, window_idx, sinks, entries=entries, picks=picks,  # noqa: E731
                                                 interpret=True, block_keys=4, splits=3, rotation=rot, merge=merge)
