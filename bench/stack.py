@@ -598,12 +598,34 @@ def environment() -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "date_utc": _dt.datetime.now(_dt.UTC).isoformat()}
 
 
-# The A/B switches of the command line: stage of the plan -> (the flag forcing the kernel, the flag forcing XLA).
-KERNEL_FLAGS = {"decode_attention": ("decode_kernel", "no_decode_kernel"),
-                "prefill_attention": ("prefill_kernel", "no_prefill_kernel"),
-                "compress": ("compress_kernel", "no_compress_kernel"),
-                "projections": ("projection_kernel", "no_projection_kernel"),
-                "split_merge": ("merge_kernel", "no_merge_kernel")}
+# The A/B switches of the command line: stage of the plan -> (the flag forcing the kernel, its help;
+# the flag forcing XLA, its help).
+KERNEL_SWITCHES = {
+    "decode_attention": ("decode-kernel", "the Pallas decode kernel on CUDA for every decode shape it takes "
+                                          "(decode_attention = 'pallas')",
+                         "no-decode-kernel", "decode attention by the XLA path on CUDA too (the layers' KernelPlan "
+                                             "decode_attention = 'xla') for A/B runs against the Pallas kernel"),
+    "prefill_attention": ("prefill-kernel", "the Pallas kernel on CUDA for every prefill shape it takes "
+                                            "(prefill_attention = 'pallas')",
+                          "no-prefill-kernel", "prefill attention by the XLA path on CUDA too "
+                                               "(prefill_attention = 'xla')"),
+    "compress": ("compress-kernel", "the compressor's decode pooling kernel on CUDA for every shape it takes "
+                                    "(compress = 'pallas')",
+                 "no-compress-kernel", "the compressor's decode pooling by the XLA path on CUDA too (compress = 'xla') "
+                                       "for A/B runs"),
+    "projections": ("projection-kernel", "the input and output projections of calls of at most 64 token rows by the "
+                                         "Pallas kernel on CUDA (projections = 'pallas'; dsv4_jax.projection_kernel) "
+                                         "for A/B runs",
+                    "no-projection-kernel", "the input and output projections by XLA's GEMMs (projections = 'xla'; "
+                                            "the default today)"),
+    "split_merge": ("merge-kernel", "decode attention's key splits merged with the sink and de-rotated by one "
+                                    "Pallas kernel on CUDA wherever the attention kernel splits them (split_merge = "
+                                    "'pallas'; dsv4_jax.split_merge_kernel; the default: CSA calls of >= 16 rows)",
+                    "no-merge-kernel", "decode attention's key splits merged by XLA everywhere (split_merge = 'xla') "
+                                       "for A/B runs"),
+}
+KERNEL_FLAGS = {stage: (on.replace("-", "_"), off.replace("-", "_"))
+                for stage, (on, _, off, _) in KERNEL_SWITCHES.items()}
 
 
 def kernel_plan(args, kernels="auto") -> KernelPlan:
@@ -814,37 +836,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "last step's output, donated (all: the same argument and output buffers every step)")
     ap.add_argument("--unfused-projections", action="store_true",
                     help="hand the step weights() (no input_proj: XLA merges the input GEMMs itself) for A/B runs")
-    ap.add_argument("--no-decode-kernel", action="store_true",
-                    help="decode attention by the XLA path on CUDA too (the layers' KernelPlan decode_attention "
-                         "= 'xla') for A/B runs against the Pallas kernel")
-    ap.add_argument("--decode-kernel", action="store_true",
-                    help="the Pallas decode kernel on CUDA for every decode shape it takes "
-                         "(decode_attention = 'pallas')")
-    ap.add_argument("--no-prefill-kernel", action="store_true",
-                    help="prefill attention by the XLA path on CUDA too (prefill_attention = 'xla')")
-    ap.add_argument("--prefill-kernel", action="store_true",
-                    help="the Pallas kernel on CUDA for every prefill shape it takes (prefill_attention = 'pallas')")
+    for on, on_help, off, off_help in KERNEL_SWITCHES.values():
+        ap.add_argument(f"--{off}", action="store_true", help=off_help)
+        ap.add_argument(f"--{on}", action="store_true", help=on_help)
     ap.add_argument("--prefill-blocks", default=None, metavar="BK,BH,WARPS,STAGES[,SKIP]",
                     help="blocks of every prefill the kernel runs (KernelPlan prefill_blocks); SKIP 1 = "
                          "skip_masked_blocks")
     ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",
                     help="blocks of every decode step the kernel runs (KernelPlan decode_blocks)")
-    ap.add_argument("--no-compress-kernel", action="store_true",
-                    help="the compressor's decode pooling by the XLA path on CUDA too (compress = 'xla') "
-                         "for A/B runs")
-    ap.add_argument("--compress-kernel", action="store_true",
-                    help="the compressor's decode pooling kernel on CUDA for every shape it takes "
-                         "(compress = 'pallas')")
-    ap.add_argument("--no-projection-kernel", action="store_true",
-                    help="the input and output projections by XLA's GEMMs (projections = 'xla'; the default today)")
-    ap.add_argument("--projection-kernel", action="store_true",
-                    help="the input and output projections of calls of at most 64 token rows by the Pallas kernel "
-                         "on CUDA (projections = 'pallas'; dsv4_jax.projection_kernel) for A/B runs")
-    ap.add_argument("--no-merge-kernel", action="store_true",
-                    help="decode attention's key splits merged by XLA (split_merge = 'xla'; the default today)")
-    ap.add_argument("--merge-kernel", action="store_true",
-                    help="decode attention's key splits merged with the sink and de-rotated by one Pallas kernel "
-                         "on CUDA (split_merge = 'pallas'; dsv4_jax.split_merge_kernel) for A/B runs")
     ap.add_argument("--select-segments", default=None, type=int, metavar="P",
                     help="blocks a query row of the native CUDA top-k (KernelPlan select_segments; 1: one "
                          "block a row; default: native.topk_segments)")
