@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="blocks of every decode step the kernel runs (as bench/stack.py's)")
     ap.add_argument("--projection-kernel", action="store_true",
                     help="the projections of calls of at most 64 token rows by the Pallas kernel (as bench/stack.py's)")
+    ap.add_argument("--query-norm-kernel", action="store_true",
+                    help="the queries' norm and RoPE by the Pallas kernel, decode too (as bench/stack.py's)")
     ap.add_argument("--merge-kernel", action="store_true",
                     help="decode attention's split merge by the Pallas kernel (as bench/stack.py's)")
     ap.add_argument("--no-merge-kernel", action="store_true",
@@ -251,7 +253,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tokens = args.tokens or ("16384" if args.scenario == "decode" else "4096")
     ab = (args.decode_kernel or args.decode_blocks or args.projection_kernel or args.merge_kernel
-          or args.no_merge_kernel)
+          or args.no_merge_kernel or args.query_norm_kernel)
     kernels = stack_mod.kernel_plan(args) if ab else "auto"
     if args.attention_backward:
         kernels = dataclasses.replace(as_kernel_plan(kernels), attention_backward=args.attention_backward)

@@ -618,6 +618,11 @@ KERNEL_SWITCHES = {
                                          "for A/B runs",
                     "no-projection-kernel", "the input and output projections by XLA's GEMMs (projections = 'xla'; "
                                             "the default today)"),
+    "query_norm": ("query-norm-kernel", "the queries' per-head norm and RoPE by one Pallas kernel on CUDA for every "
+                                        "call, decode steps too (query_norm = 'pallas'; dsv4_jax.head_norm_kernel; "
+                                        "the default: calls of several queries a row)",
+                   "no-query-norm-kernel", "the queries' per-head norm and RoPE by XLA everywhere (query_norm = "
+                                           "'xla') for A/B runs"),
     "split_merge": ("merge-kernel", "decode attention's key splits merged with the sink and de-rotated by one "
                                     "Pallas kernel on CUDA wherever the attention kernel splits them (split_merge = "
                                     "'pallas'; dsv4_jax.split_merge_kernel; the default: CSA calls of >= 16 rows)",
@@ -630,8 +635,8 @@ KERNEL_FLAGS = {stage: (on.replace("-", "_"), off.replace("-", "_"))
 
 def kernel_plan(args, kernels="auto") -> KernelPlan:
     """`kernels` (a mode's name or plan) with the command line's A/B switches: --(no-)decode-kernel,
-    --(no-)prefill-kernel, --(no-)compress-kernel, --(no-)projection-kernel, --(no-)merge-kernel
-    ("pallas" / "xla" for that stage), --decode-blocks
+    --(no-)prefill-kernel, --(no-)compress-kernel, --(no-)projection-kernel, --(no-)query-norm-kernel,
+    --(no-)merge-kernel ("pallas" / "xla" for that stage), --decode-blocks
     and --prefill-blocks (the kernel's blocks wherever it runs for that phase), --select-segments
     (blocks a row of the native top-k), --select-keys and --select-scores (how the native
     selection reads an FP8 cache's keys, and whose scores its top-k picks from)."""

@@ -22,9 +22,9 @@ stage                  kernel                                 reference
                        backward_wgmma`: HCA), or as a
                        Triton kernel by index
                        (`sparse_attention_backward`)
-``query_norm``         the queries' per-head RMSNorm as two   `norms.head_rms_norm` (and XLA's
-                       Pallas kernels, forward and backward   gradient)
-                       (`head_norm_kernel`)
+``query_norm``         the queries' per-head RMSNorm and      `norms.head_rms_norm`, then
+                       RoPE as two Pallas kernels, forward    `rope.apply_rope` (and XLA's
+                       and backward (`head_norm_kernel`)      gradients)
 ``projections``        the input and output projections of    XLA's GEMM (`backend.einsum`)
                        a few token rows as a Pallas kernel
                        (`projection_kernel`)
@@ -38,8 +38,8 @@ stage                  kernel                                 reference
 * ``"auto"`` (default): what measured faster on the platform: the native selection where it is
   built; on CUDA the Pallas kernels for the shapes they won on (`sparse_attention_kernel.
   CUDA_DEFAULT_BLOCKS`, the compressor kernel for every decode step, the indexer's scoring kernel
-  for bf16 calls of several queries a row, the queries' norm kernels for calls of several
-  queries a row, the sparse attention kernel's gradient over key ranges for HCA and by index
+  for bf16 calls of several queries a row, the queries' norm and RoPE kernels for calls of
+  several queries a row, the sparse attention kernel's gradient over key ranges for HCA and by index
   for the rest, the split merge's kernel for CSA decode batches of at least 16 rows); the XLA
   reference elsewhere (the projections' kernel is not a default: inside a decode step it measured
   level with XLA's products).
@@ -87,7 +87,7 @@ class KernelPlan:
     decode_attention:  "auto" | "pallas" | "interpret" | "xla"  sparse attention, one query a row
     prefill_attention: the same, for calls of several queries a row
     compress:          the same, for the compressors' decode pooling
-    query_norm:        the same, for the queries' per-head RMSNorm and its gradient
+    query_norm:        the same, for the queries' per-head RMSNorm and RoPE and their gradient
                        (`head_norm_kernel`; "auto": for calls of several queries a row)
     projections:       the same, for the input and output projections of calls of at most 64
                        token rows (`projection_kernel`; "auto": XLA's GEMMs: inside a decode

@@ -90,6 +90,13 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
     return xp.concatenate([nope, rotated], axis=-1)
 
 
+def derotate_output(o: Array, positions: Array, freqs: Array, scale: float = 1.0) -> Array:
+    """The layer's inverse RoPE on the attention output (stage 6's first step), in place:
+    o [..., H, D] at positions [...] (one a query), freqs float32 [rd/2], scale the cos/sin's.
+    The one place the XLA paths (`sparse_attention`, the kernels' XLA merges) undo it."""
+    return apply_rope(o, positions[..., None], freqs, inverse=True, scale=scale, in_place=True)
+
+
 def rotation_tables(positions: Array, freqs: Array, scale: float, dtype, *, inverse: bool = False, xp=None):
     """cos and sin of ``positions * freqs`` as `apply_rope` uses them: float32 [..., rd/2] of
     values rounded to `dtype` (times `scale`), sin negated for the inverse rotation. `xp`: the

@@ -28,7 +28,7 @@ import numpy as np
 from . import sparse_attention_backward, sparse_attention_backward_wgmma, sparse_attention_kernel, split_merge_kernel
 from .backend import QUERY_BLOCK, Array, einsum, is_tracer, map_query_blocks, reference_vjp
 from .kernel_plan import AUTO, KernelPlan
-from .rope import apply_rope
+from .rope import apply_rope, derotate_output
 
 
 class AttentionOutput(NamedTuple):
@@ -64,12 +64,9 @@ class OutputRotation(NamedTuple):
     scale: float = 1.0
 
 
-def _derotate(o: Array, positions: Array, freqs: np.ndarray, scale: float) -> Array:
-    return apply_rope(o, positions[..., None], freqs, inverse=True, scale=scale, in_place=True)
-
-
 def _derotate_transpose(do: Array, positions: Array, freqs: np.ndarray, scale: float) -> Array:
-    """The transpose of `_derotate` (a rotation by the opposite angle, same cos/sin and scale)."""
+    """The transpose of `rope.derotate_output` (a rotation by the opposite angle, same cos/sin
+    and scale)."""
     return apply_rope(do, positions[..., None], freqs, scale=scale, in_place=True)
 
 
@@ -193,7 +190,7 @@ def sparse_attention(
     out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
     if rotation is None:
         return out
-    return out._replace(o=_derotate(out.o, rotation.positions, rotation.freqs, rotation.scale))
+    return out._replace(o=derotate_output(out.o, rotation.positions, rotation.freqs, rotation.scale))
 
 
 def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] | None:
@@ -250,7 +247,7 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
         return functools.partial(jax.lax.platform_dependent, cuda=kernel, default=default)
 
     def derotate(o, positions):
-        return o if rotation is None else _derotate(o, positions, *rotation)
+        return o if rotation is None else derotate_output(o, positions, *rotation)
 
     def composed(q, pool, window_idx, sinks, entries, picks, visible, positions):
         return derotate(reference(q, pool, window_idx, sinks, entries, picks, visible), positions)

@@ -44,8 +44,7 @@ from jax.experimental import pallas as pl
 
 from . import split_merge_kernel
 from .backend import Array
-from .rope import apply_rope
-from .split_merge_kernel import combine
+from .rope import derotate_output
 
 # Keys per block and heads per program (Triton's dot needs every dimension >= 16 and a power
 # of two); `splits` spreads a row's key blocks over programs when R * H / bh alone would leave
@@ -360,10 +359,11 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                                             interpret=interpret or merge == "interpret")
         return o.reshape(b, s, h, d)  # de-rotated by the kernel
     else:
-        o = combine(*_call(rows, pool, widx, entries, entry_idx, None, **blocks), sinks, q.dtype, with_lse)
+        partials = _call(rows, pool, widx, entries, entry_idx, None, **blocks)
+        o = split_merge_kernel.combine(*partials, sinks, q.dtype, with_lse)
     lse = o[1].reshape(b, s, h) if with_lse else None
     o = (o[0] if with_lse else o).reshape(b, s, h, d)
     if rotation is not None:
         positions, freqs, scale = rotation
-        o = apply_rope(o, positions[..., None], freqs, inverse=True, scale=scale, in_place=True)
+        o = derotate_output(o, positions, freqs, scale)
     return (o, lse) if with_lse else o

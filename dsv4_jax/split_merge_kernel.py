@@ -3,13 +3,12 @@ sink, round, and undo the output's RoPE.
 
 At small batches the decode attention kernel spreads each row's key blocks over `splits`
 programs (`sparse_attention_kernel`: flash decoding) and writes float32 partials. What follows
-is XLA's: `sparse_attention_kernel.combine` (the splits and the sink merged, rounded to the
-compute dtype), then the layer's inverse RoPE on the output's trailing channels
-(`rope.apply_rope(..., inverse=True, in_place=True)`). On the H200 those are three or four
-small kernels one after another between the attention kernel and ``wo_a`` (a V4-Flash CSA
-step compiled for it: an ``exp``, a merge, a rotation and an in-place update at B = 32; two
-reductions and a merge at B = 1; `bench/deviceless.py --keep-dump`), each a launch on the
-step's critical path. Here they are one:
+is XLA's: `combine` (below: the splits and the sink merged, rounded to the compute dtype),
+then the layer's inverse RoPE on the output's trailing channels (`rope.derotate_output`). On
+the H200 those are three or four small kernels one after another between the attention kernel
+and ``wo_a`` (a V4-Flash CSA step compiled for it: an ``exp``, a merge, a rotation and an
+in-place update at B = 32; two reductions and a merge at B = 1; `bench/deviceless.py
+--keep-dump`), each a launch on the step's critical path. Here they are one:
 
     grid (R, H / bh); program (r, g) owns heads g*bh .. g*bh+bh-1 of query row r
     acc   [splits, bh, D]   float32 un-normalised partial outputs of the splits
@@ -46,7 +45,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .backend import Array
-from .rope import apply_rope, rotation_tables
+from .rope import derotate_output, rotation_tables
 
 # Where "auto" takes the kernel: CSA decode calls of at least this many query rows, i.e. where
 # the attention kernel's batch blocks run (`sparse_attention_kernel.MIN_ROWS`; 4 splits a row at
@@ -202,4 +201,4 @@ def reference(acc: Array, m: Array, total: Array, sinks: Array, dtype, rotation:
     if rotation is None:
         return o
     positions, freqs, scale = rotation
-    return apply_rope(o, positions.reshape(-1, 1), freqs, inverse=True, scale=scale, in_place=True)
+    return derotate_output(o, positions.reshape(-1), freqs, scale)

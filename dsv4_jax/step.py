@@ -53,7 +53,7 @@ from .indexer import IndexerWeights, head_weights, index_queries
 from .norms import rms_norm
 from .projection_kernel import projection
 from .quantized_cache import check_cache_numerics, read, read_picked
-from .rope import apply_rope, attention_factor, inv_freq, rotate_in_place
+from .rope import apply_rope, attention_factor, inv_freq
 from .sparse_attention import OutputRotation, key_pool, sparse_attention
 
 
@@ -253,18 +253,8 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
-    norm = spec.plan.kernels.query_norm
-    # Where the norm may be a kernel (reverse mode only already), RoPE's gradient rotates the
-    # cotangent in its own buffer (`rotate_in_place`); "xla" keeps forward-mode AD possible.
-    rotate = functools.partial(apply_rope, in_place=True) if norm == "xla" else rotate_in_place
-    if q.shape[1] == 1:
-        # One query a row (decode): a small array, rotated into a new one. Compiled for the H200,
-        # XLA then fuses the rotation with its concatenation, one kernel after the norm where the
-        # in-place update took three (two products, the update): a batch's step has 2 launches a
-        # layer fewer, HCA's chain one fewer (bench/RESULTS.md "Decode toward the floor",
-        # session 61). Same values.
-        rotate = functools.partial(apply_rope, in_place=False)
-    q = rotate(query_norm(q, cfg.rms_norm_eps, norm), positions[..., None], freqs, scale=scale)
+    # The per-head norm and RoPE: one kernel each way where the plan says (`head_norm_kernel`).
+    q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm, rotation=(positions, freqs, scale))
     kv = apply_rope(kv, positions, freqs, scale=scale)
     round_kv, _ = official_roundings(spec)
     if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert
