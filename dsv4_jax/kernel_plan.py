@@ -19,8 +19,9 @@ stage                  kernel                                 reference
 ``attention_backward`` the sparse attention kernel's          the VJP of `sparse_attention.
                        gradient over key ranges as Mosaic     _xla_path`
                        GPU kernels (`sparse_attention_
-                       backward_wgmma`: HCA), or as a
-                       Triton kernel by index
+                       backward_wgmma`: HCA), by index as
+                       a CUDA handler (CSA, csrc/) or as a
+                       Triton kernel
                        (`sparse_attention_backward`)
 ``query_norm``         the queries' per-head RMSNorm and      `norms.head_rms_norm`, then
                        RoPE as two Pallas kernels, forward    `rope.apply_rope` (and XLA's
@@ -61,7 +62,7 @@ module global at trace time.
 
 Gradients: every kernel differentiates as its reference. The compressor kernel's backward is
 the XLA reference's VJP (`backend.differentiated_as`); the sparse attention kernel's is one of its
-backward kernels (``attention_backward``: "auto", "triton", "wgmma") or that VJP ("xla"). So
+backward kernels (``attention_backward``: "auto", "triton", "wgmma", "cuda") or that VJP ("xla"). So
 ``jax.grad`` works with every plan, and gives the reference's gradients (up to the order of float
 sums).
 """
@@ -75,7 +76,7 @@ KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
-BACKWARD_CHOICES = ("auto", "triton", "wgmma", "xla")
+BACKWARD_CHOICES = ("auto", "triton", "wgmma", "cuda", "xla")
 PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm", "projections", "split_merge")
 
 
@@ -98,18 +99,21 @@ class KernelPlan:
                        where that kernel splits a row's keys; "auto": the kernel for CSA calls
                        of at least 16 rows, where it measured faster, XLA's merge elsewhere:
                        `split_merge_kernel.choose`)
-    attention_backward: "auto" | "triton" | "wgmma" | "xla"  the gradient of the sparse attention
+    attention_backward: "auto" | "triton" | "wgmma" | "cuda" | "xla"  the gradient of the sparse attention
                        kernel where it runs. "triton": its backward kernel by index
                        (`sparse_attention_backward`, where that kernel takes the shapes; interpret
                        mode where the forward is). "wgmma": the Mosaic GPU kernels over key ranges
                        where they take the call (`sparse_attention_backward_wgmma.takes`: bf16
                        windows and HCA's entries, heads a multiple of 64; not CSA's picks;
                        interpret mode where the forward is, on a jax whose interpret mode runs
-                       them), else as "triton". "auto": "wgmma" for HCA's calls on CUDA (on the
-                       H200 a 4-layer HCA training step 6-14% faster at B = 1 and 4, 4k and 16k,
-                       with 0.4-2.9 GB less peak memory and 4-6 s more compile: bench/RESULTS.md
-                       "Training"), else "triton" (CSA, sliding windows, interpret mode). "xla":
-                       the XLA reference's VJP
+                       them), else as "triton". "cuda": CSA's calls by the CUDA handler
+                       (`native.sparse_attention_backward`: a block a query row with all 64 heads
+                       of 512, bf16, where the CUDA extension is built), else as "triton". "auto":
+                       "wgmma" for HCA's calls on CUDA (on the H200 a 4-layer HCA training step
+                       6-14% faster at B = 1 and 4, 4k and 16k, with 0.4-2.9 GB less peak memory
+                       and 4-6 s more compile: bench/RESULTS.md "Training"), "cuda" for CSA's (on
+                       an H100 a 4-layer CSA training step 13-15% faster at 4k), else "triton"
+                       (sliding windows, float32, interpret mode). "xla": the XLA reference's VJP
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has

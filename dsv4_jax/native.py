@@ -18,6 +18,9 @@ target                      what it does
 ``dsv4_finite_flag``        a step's finite verdict written into host memory the extension
                             owns, where the eager call polls it (`dsv4_jax.finite_flag`;
                             command-buffer compatible on CUDA)
+``dsv4_sparse_attention_``  CUDA only: CSA's sparse attention backward for bf16, 64 heads of
+``backward``                512 (csrc/sparse_attention_backward.h; `sparse_attention_backward`
+                            chooses it), command-buffer compatible
 ==========================  ===============================================================
 
 On the CPU there are no command buffers; both names run the same C++ handler.
@@ -236,6 +239,27 @@ def finite_flag(finite):
     return jax.ffi.ffi_call("dsv4_finite_flag", jax.ShapeDtypeStruct((), jnp.bool_))(finite)
 
 
+BACKWARD_HEADS, BACKWARD_DIM = 64, 512  # the shapes csrc/sparse_attention_backward_cuda.cu is built for
+
+
+def sparse_attention_backward(q, dout, o, lse, delta_rotated, pool, window, entries, picks, *, scale: float,
+                              rotated: int, stretches: int):
+    """(dq bf16 [R, H, D], dpool f32 [B, P, D], dentries f32 [B, N, D], delta f32 [R, H]): the CUDA
+    handler's gradient of CSA's sparse attention (contract in csrc/sparse_attention_backward.h).
+    q, o bf16 [R, 64, 512]; dout bf16 [G, R, 64 / G, 512]; lse, delta_rotated f32 [R, 64]; pool,
+    entries bf16 [B, ., 512]; window, picks int32 [R, .] (-1: no key). CUDA only: the caller
+    checks `available("cuda")` and lowers it for CUDA alone (`jax.lax.platform_dependent`)."""
+    _register_all()
+    rows = q.shape[0]
+    out_types = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                 jax.ShapeDtypeStruct(pool.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(entries.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((rows, q.shape[1]), jnp.float32))
+    return jax.ffi.ffi_call("dsv4_sparse_attention_backward", out_types)(
+        q, dout, o, lse, delta_rotated, pool, window, entries, picks,
+        scale=np.float32(scale), rotated=np.int64(rotated), stretches=np.int64(stretches))
+
+
 @functools.cache
 def finite_flag_slots(platform: str) -> np.ndarray | None:
     """The host slots `finite_flag` writes (uint64, one per device ordinal modulo their count),
@@ -249,5 +273,5 @@ def finite_flag_slots(platform: str) -> np.ndarray | None:
 
 
 __all__ = ["available", "finite_flag", "finite_flag_slots", "native_info", "platform_name", "select_topk",
-           "select_topk_fp4", "topk", "topk_segments",
+           "select_topk_fp4", "sparse_attention_backward", "topk", "topk_segments",
            "unavailable_reason"]

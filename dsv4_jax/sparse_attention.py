@@ -319,9 +319,14 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
                     q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible,
                     interpret=interpret, do_groups=output_groups, **extra)
+            # "auto" and "cuda": CSA's calls by the CUDA handler where it takes them (a block a
+            # query row with all 64 heads: half the Triton kernel's key-gradient adds; a 4-layer
+            # CSA training step 13-15% faster at 4k on an H100, bench/RESULTS.md "Training").
+            cuda = (backward in ("auto", "cuda") and not interpret
+                    and sparse_attention_backward.cuda_takes(q, entries, picks))
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
-                interpret=interpret, do_groups=output_groups, **bwd_blocks, **extra)
+                interpret=interpret, do_groups=output_groups, cuda=cuda, **bwd_blocks, **extra)
 
         def reference_grads(*a):
             dq, dpool, _, dsinks, dentries, *_ = reference_vjp(composed, a[:8], a[-1])

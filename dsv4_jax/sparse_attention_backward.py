@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import relaxed_atomics
+from . import native, relaxed_atomics
 from .backend import Array
 from .sparse_attention_kernel import _pad_indices, entry_indices
 
@@ -160,6 +160,32 @@ def _atomic_add(ref, idx, values, relaxed: bool):
         pl_triton.atomic_add(ref, idx, values)
 
 
+def cuda_takes(q: Array, entries: Array | None, picks: Array | None) -> bool:
+    """Whether the CUDA handler (`native.sparse_attention_backward`) takes the call: CSA's
+    picks, bf16, 64 heads of 512 channels, the CUDA extension built and a GPU in this process."""
+    return (picks is not None and entries is not None and q.dtype == jnp.bfloat16
+            and q.shape[2:] == (native.BACKWARD_HEADS, native.BACKWARD_DIM) and native.available("cuda"))
+
+
+def _by_cuda(q, pool, window_idx, sinks, o, lse, do, entries, picks, rotated, delta_rotated, do_groups,
+             row_stretches_most):
+    """`sparse_attention_backward` by the CUDA handler (`cuda_takes`): the same contract."""
+    b, s, h, d = q.shape
+    rows = b * s
+    do_by_group = _as_group_layout(do.astype(q.dtype), rows, h, d, do_groups, h)  # [G, R, H/G, D]
+    lse_rows = lse.reshape(rows, h).astype(jnp.float32)
+    delta_rotated = (jnp.zeros((rows, h), jnp.float32) if not rotated
+                     else delta_rotated.reshape(rows, h).astype(jnp.float32))
+    dq, dpool, dents, delta = native.sparse_attention_backward(
+        q.reshape(rows, h, d), do_by_group, o.reshape(rows, h, d).astype(q.dtype), lse_rows, delta_rotated,
+        pool.astype(q.dtype), window_idx.reshape(rows, -1).astype(jnp.int32), entries.astype(q.dtype),
+        picks.reshape(rows, -1).astype(jnp.int32), scale=d ** -0.5, rotated=rotated,
+        stretches=row_stretches(rows, row_stretches_most))
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
+    dsinks = -jnp.sum(p_sink * delta, axis=0)
+    return dq.reshape(b, s, h, d), dpool.astype(pool.dtype), dsinks, dents.astype(entries.dtype)
+
+
 def by_output_group(x: Array, groups: int) -> Array:
     """[B, S, H, C] -> [G, B*S, H/G, C] (head g*H/G + j of row r at [g, r, j]): the layout of
     `do_groups`. A caller holding the cotangent in that layout's transpose gets a no-op."""
@@ -196,7 +222,8 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
                               block_keys: int = BLOCK_KEYS, block_heads: int = BLOCK_HEADS,
                               num_warps: int = NUM_WARPS, num_stages: int | None = None, relaxed: bool = True,
                               rotated: int = 0, delta_rotated: Array | None = None,
-                              row_stretches_most: int = ROW_STRETCHES, do_groups: int | None = None):
+                              row_stretches_most: int = ROW_STRETCHES, do_groups: int | None = None,
+                              cuda: bool = False):
     """The cotangents of `sparse_attention_kernel`'s inputs: (dq, dpool, dsinks, dentries).
 
     q [B, S, H, D], pool [B, P, D], window_idx [B, S, W], sinks [H], entries [B, T, D] with
@@ -214,7 +241,15 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     (head g*H/G + j of row r at [g, r, j]), the layout in which the gradient of a grouped
     output projection (the layer's wo_a, batched over its G groups) leaves it: read as it is,
     XLA's transpose of it to [B, S, H, D] (a pass over it) cancels against the caller's.
+    `cuda`: by the CUDA handler instead of the Triton kernel (where `cuda_takes`; the block and
+    launch options other than `row_stretches_most` are the Triton kernel's).
     """
+    if rotated and delta_rotated is None:
+        raise ValueError(f"delta_rotated: expected the rotated channels' share of delta [B, S, H] with "
+                         f"rotated={rotated}, got None")
+    if cuda:
+        return _by_cuda(q, pool, window_idx, sinks, o, lse, do, entries, picks, rotated, delta_rotated, do_groups,
+                        row_stretches_most)
     b, s, h, d = q.shape
     rows = b * s
     bh = min(block_heads, h)
@@ -233,9 +268,6 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     q_rows = q.reshape(rows, h, d)
     lse_rows = lse.reshape(rows, h).astype(jnp.float32)
     o_rows = o.reshape(rows, h, d)
-    if rotated and delta_rotated is None:
-        raise ValueError(f"delta_rotated: expected the rotated channels' share of delta [B, S, H] with "
-                         f"rotated={rotated}, got None")
     stats = [lse_rows] + ([delta_rotated.reshape(rows, h).astype(jnp.float32)] if rotated else [])
     # float32 accumulators with one trash row each (keys a program does not have), zeros in.
     dpool0 = jnp.zeros((pool.shape[0], pool.shape[1] + 1, d), jnp.float32)

@@ -223,3 +223,44 @@ def test_triton_backward_by_output_group_at_flash_sizes(kind):
             continue
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * np.abs(want).max(), err_msg=name)
+
+
+CUDA_HANDLER = ON_GPU and sab.native.available("cuda")
+
+
+@pytest.mark.skipif(not CUDA_HANDLER, reason="the CUDA handler needs a GPU and the built CUDA extension")
+@pytest.mark.parametrize("b, s, groups, rotated", [(1, 1, None, 0), (4, 1, None, 0), (1, 256, None, 0),
+                                                    (2, 128, 8, 64)], ids=["decode1", "decode4", "prefill",
+                                                                           "grouped_rotated"])
+def test_cuda_backward_at_flash_sizes(b, s, groups, rotated):
+    """The CUDA handler (CSA, bf16, 64 heads of 512: `attention_backward="cuda"`) against the XLA
+    VJP in float32, beside the XLA VJP's own bf16 error (the Triton kernel's criterion), and
+    against the Triton kernel on the same bf16 inputs, with the cotangent by output group and
+    an output rotation's share of delta as the layer passes them."""
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=b, h=64, d=512, w=128, t=4096, k=512, dtype=jnp.float32,
+                                                s=s)
+    do = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+    want = xla_vjp(q, pool, widx, sinks, kwargs, do)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    kw16 = {n: (bf(v) if n == "entries" else v) for n, v in kwargs.items()}
+    o, lse = sak.sparse_attention_kernel(bf(q), bf(pool), widx, sinks, **kw16, with_lse=True)
+    extra = {}
+    if rotated:  # delta's rotated share given apart (any values: both kernels add it as given)
+        extra = dict(rotated=rotated, delta_rotated=jnp.asarray(np.random.default_rng(4).normal(size=q.shape[:3]),
+                                                                 jnp.float32))
+    do16 = bf(do) if groups is None else sab.by_output_group(bf(do), groups)
+    args = (bf(q), bf(pool), widx, sinks, o, lse, do16)
+    got = sab.sparse_attention_backward(*args, **kw16, do_groups=groups, cuda=True, **extra)
+    triton = sab.sparse_attention_backward(*args, **kw16, do_groups=groups, **extra)
+    for name, g, t in zip(("dq", "dpool", "dsinks", "dentries"), got, triton):
+        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
+        np.testing.assert_allclose(g, t, rtol=0, atol=1e-2 * np.abs(t).max(), err_msg=f"{name} against Triton")
+    if rotated:
+        return
+    xla16 = xla_vjp(bf(q), bf(pool), widx, sinks, kw16, bf(do))
+    for name, g, x, w in zip(("dq", "dpool", "dsinks", "dentries"), got, xla16, want):
+        scale = float(np.abs(np.asarray(w, np.float32)).max())
+        kernel_err = float(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)).max()) / scale
+        xla_err = float(np.abs(np.asarray(x, np.float32) - np.asarray(w, np.float32)).max()) / scale
+        print(f"bf16 CUDA backward B={b} S={s} {name}: handler {kernel_err:.2e}, XLA VJP {xla_err:.2e}")
+        assert kernel_err <= max(2 * xla_err, 2 ** -6)
