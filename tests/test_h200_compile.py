@@ -82,9 +82,27 @@ def test_a_training_step_compiles_with_the_backward_kernel():
 
 
 def test_the_backward_kernel_compiles_at_v4_flash_size():
-    """V4-Flash's 64 heads x 512: the sizes whose blocks fill the H200's shared memory."""
-    row = _census("train", "csa", 1, 512, size="flash", kernels=EVERY_KERNEL)
+    """V4-Flash's 64 heads x 512: the sizes whose blocks fill the H200's shared memory (the Triton
+    backward kernel forced: CSA's calls default to the CUDA handler where it is built)."""
+    row = _census("train", "csa", 1, 512, size="flash",
+                  kernels=dataclasses.replace(EVERY_KERNEL, attention_backward="triton"))
     assert row["triton_calls"] > 0 and any(stage.endswith("(bwd)") for stage in row["stages"])
+
+
+@pytest.mark.skipif(not NATIVE_CUDA, reason="the CUDA handlers are not built (no nvcc at install)")
+@pytest.mark.parametrize("backward", ["auto", "cuda"])
+def test_csas_backward_handler_stays_inside_the_training_graph(backward):
+    """CSA's sparse attention backward by the CUDA handler (`attention_backward="auto"` or "cuda"
+    at V4-Flash size): one custom call in place of the Triton backward kernel, a node of the
+    training step's CUDA graphs (command-buffer compatible, its accumulators zeroed inside)."""
+    row = _census("train", "csa", 1, 512, size="flash",
+                  kernels=dataclasses.replace(EVERY_KERNEL, attention_backward=backward))
+    by_triton = _census("train", "csa", 1, 512, size="flash",
+                        kernels=dataclasses.replace(EVERY_KERNEL, attention_backward="triton"))
+    assert row["custom_call_targets"].get("dsv4_sparse_attention_backward", 0) == 1
+    assert "dsv4_sparse_attention_backward" not in by_triton["custom_call_targets"]
+    assert row["triton_calls"] == by_triton["triton_calls"] - 1
+    assert row["outside_command_buffers"] == {}
 
 
 @pytest.mark.parametrize("backward", ["auto", "wgmma"])
@@ -93,14 +111,16 @@ def test_the_range_backward_compiles_at_v4_flash_size(stack, range_kernels, back
     """The Mosaic GPU range kernels (`sparse_attention_backward_wgmma`: dq, and in one launch dK of
     the window and of HCA's entries) in the training step beside the Triton kernels, for HCA's
     calls under ``attention_backward="auto"`` and "wgmma"; CSA's calls (scattered picks) stay with
-    the Triton backward kernel, as every call does under "triton"."""
+    the Triton backward kernel under "wgmma" (under "auto" the CUDA handler takes them where it
+    is built), as every call does under "triton"."""
     row = _census("train", stack, 1, 512, size="flash",
                   kernels=dataclasses.replace(EVERY_KERNEL, attention_backward=backward))
     by_index = _census("train", stack, 1, 512, size="flash",
                        kernels=dataclasses.replace(EVERY_KERNEL, attention_backward="triton"))
     assert row["custom_call_targets"].get("mosaic_gpu_v2", 0) == range_kernels
     assert by_index["custom_call_targets"].get("mosaic_gpu_v2", 0) == 0
-    assert row["triton_calls"] == by_index["triton_calls"] - (stack == "hca")
+    by_handler = stack == "csa" and backward == "auto" and NATIVE_CUDA  # CSA's "auto": the CUDA handler
+    assert row["triton_calls"] == by_index["triton_calls"] - (stack == "hca") - by_handler
 
 
 @pytest.mark.parametrize("stack, batch", [("csa", 1), ("csa", 16), ("hca", 1)])
