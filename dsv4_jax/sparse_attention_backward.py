@@ -45,6 +45,12 @@ last entry block with a key are skipped (HCA's visible prefix, a prompt's early 
 Numerics follow the reference's VJP up to the order of float32 sums and where it rounds the
 logits' and values' cotangents to the compute dtype (here they stay float32): float32 equals
 the XLA VJP within ~1e-5 (`tests/test_sparse_attention_backward.py`); bf16 within bf16 rounding.
+
+CSA's calls in bf16 at 64 heads of 512 (V4-Flash, V4-Pro) can go to a CUDA handler instead
+(`cuda=True`, `cuda_takes`; csrc/sparse_attention_backward_cuda.cu through
+`native.sparse_attention_backward`): the same contract and roundings, one block of 8 warps a
+query row with all 64 heads, so that each key's gradient is summed over the heads before its one
+atomic add (here a program's 32 heads add theirs: 64 heads a program exceed Triton's registers).
 """
 
 from __future__ import annotations
@@ -170,6 +176,11 @@ def cuda_takes(q: Array, entries: Array | None, picks: Array | None) -> bool:
 def _by_cuda(q, pool, window_idx, sinks, o, lse, do, entries, picks, rotated, delta_rotated, do_groups,
              row_stretches_most):
     """`sparse_attention_backward` by the CUDA handler (`cuda_takes`): the same contract."""
+    if not cuda_takes(q, entries, picks):
+        why = native.unavailable_reason("cuda") or "it takes CSA's picks in bf16 with 64 heads of 512"
+        raise ValueError(f"cuda=True: the CUDA handler does not take q {q.dtype}{list(q.shape)} with "
+                         f"{'picks' if picks is not None else 'no picks'} here ({why}); use the Triton kernel "
+                         "(cuda=False)")
     b, s, h, d = q.shape
     rows = b * s
     do_by_group = _as_group_layout(do.astype(q.dtype), rows, h, d, do_groups, h)  # [G, R, H/G, D]
@@ -181,9 +192,14 @@ def _by_cuda(q, pool, window_idx, sinks, o, lse, do, entries, picks, rotated, de
         pool.astype(q.dtype), window_idx.reshape(rows, -1).astype(jnp.int32), entries.astype(q.dtype),
         picks.reshape(rows, -1).astype(jnp.int32), scale=d ** -0.5, rotated=rotated,
         stretches=row_stretches(rows, row_stretches_most))
+    return dq.reshape(b, s, h, d), dpool.astype(pool.dtype), _sink_gradient(sinks, lse_rows, delta), \
+        dents.astype(entries.dtype)
+
+
+def _sink_gradient(sinks: Array, lse_rows: Array, delta: Array) -> Array:
+    """dsinks [H] float32 = -sum over rows of exp(sink - lse) * delta (lse, delta [R, H] float32)."""
     p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
-    dsinks = -jnp.sum(p_sink * delta, axis=0)
-    return dq.reshape(b, s, h, d), dpool.astype(pool.dtype), dsinks, dents.astype(entries.dtype)
+    return -jnp.sum(p_sink * delta, axis=0)
 
 
 def by_output_group(x: Array, groups: int) -> Array:
@@ -309,7 +325,6 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
         name="sparse_attention_backward",
         **extra,
     )(*args)
-    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :] - lse_rows)  # [R, H]
-    dsinks = -jnp.sum(p_sink * delta, axis=0)
+    dsinks = _sink_gradient(sinks, lse_rows, delta)
     dentries = None if eidx is None else dents[0][:, :-1].astype(entries.dtype)
     return dq.reshape(b, s, h, d), dpool[:, :-1].astype(pool.dtype), dsinks, dentries

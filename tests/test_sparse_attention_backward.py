@@ -228,6 +228,17 @@ def test_triton_backward_by_output_group_at_flash_sizes(kind):
 CUDA_HANDLER = ON_GPU and sab.native.available("cuda")
 
 
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_the_cuda_handler_refuses_what_it_does_not_take(kind):
+    """`cuda=True` where the handler cannot run (here: small float32 shapes, HCA's ranges, or no
+    CUDA handler in this process) is a ValueError that says why, not an XLA error at run time."""
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=1, h=4, d=8, w=8, t=13, k=6, dtype=jnp.float32, s=3)
+    o = jnp.zeros_like(q)
+    lse = jnp.zeros(q.shape[:3], jnp.float32)
+    with pytest.raises(ValueError, match=r"cuda=True: the CUDA handler does not take q float32\[1, 3, 4, 8\]"):
+        sab.sparse_attention_backward(q, pool, widx, sinks, o, lse, o, **kwargs, cuda=True)
+
+
 @pytest.mark.skipif(not CUDA_HANDLER, reason="the CUDA handler needs a GPU and the built CUDA extension")
 @pytest.mark.parametrize("b, s, groups, rotated", [(1, 1, None, 0), (4, 1, None, 0), (1, 256, None, 0),
                                                     (2, 128, 8, 64)], ids=["decode1", "decode4", "prefill",
