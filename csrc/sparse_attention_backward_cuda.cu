@@ -360,10 +360,12 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buff
   a.rotated = static_cast<int>(rotated);
   a.stretches = static_cast<int>(stretches);
   a.scale = scale;
-  static const bool reserved =
-      cudaFuncSetAttribute(BackwardKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSharedBytes)) ==
-      cudaSuccess;
-  if (!reserved) return ffi::Error::Internal("dsv4 sparse_attention_backward (CUDA): shared memory not available");
+  // Per launch, not once: the attribute belongs to the current device's context (the selection's
+  // handlers do the same, `ReserveDynamicShared`).
+  if (cudaFuncSetAttribute(BackwardKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kSharedBytes)) != cudaSuccess) {
+    return ffi::Error::Internal("dsv4 sparse_attention_backward (CUDA): shared memory not available");
+  }
   BackwardKernel<<<static_cast<unsigned>(rows), kThreads, kSharedBytes, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("dsv4 sparse_attention_backward (CUDA): ") + cudaGetErrorString(err));
