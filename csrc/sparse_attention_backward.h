@@ -3,8 +3,8 @@
 // heads before its one atomic add (the Triton kernel adds once per 32 heads).
 //
 // Contract (the FFI target `dsv4_sparse_attention_backward`, command-buffer compatible), bf16
-// with H = 64 heads and D = 512 channels only (V4-Flash and V4-Pro; other shapes take the
-// Triton kernel, dsv4_jax/sparse_attention_backward.py):
+// with H = 64 heads and D = 512 channels only (V4-Flash's; other shapes, V4-Pro's 128 heads
+// among them, take the Triton kernel, dsv4_jax/sparse_attention_backward.py):
 //   q      bf16 [R, H, D]        the queries (R = B * S rows; row r reads batch row r / S)
 //   dout   bf16 [G, R, H/G, D]   the output's cotangent by output group (head g H/G + j at [g, r, j])
 //   o      bf16 [R, H, D]        the forward's output (after a linear map of its last `rotated` channels)

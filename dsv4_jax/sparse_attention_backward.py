@@ -46,7 +46,8 @@ Numerics follow the reference's VJP up to the order of float32 sums and where it
 logits' and values' cotangents to the compute dtype (here they stay float32): float32 equals
 the XLA VJP within ~1e-5 (`tests/test_sparse_attention_backward.py`); bf16 within bf16 rounding.
 
-CSA's calls in bf16 at 64 heads of 512 (V4-Flash, V4-Pro) can go to a CUDA handler instead
+CSA's calls in bf16 at 64 heads of 512 (V4-Flash's shapes; V4-Pro's 128 heads take the Triton
+kernel) can go to a CUDA handler instead
 (`cuda=True`, `cuda_takes`; csrc/sparse_attention_backward_cuda.cu through
 `native.sparse_attention_backward`): the same contract and roundings, one block of 8 warps a
 query row with all 64 heads, so that each key's gradient is summed over the heads before its one
