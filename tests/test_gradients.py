@@ -183,12 +183,13 @@ TRITON_CFG = dsv4_jax.DeepseekV4Config.tiny(num_attention_heads=16, head_dim=64,
                                              sliding_window=32, index_topk=16)
 
 
-def _triton_grads(layer: int, kernels, device=None):
+def _triton_grads(layer: int, kernels, device=None, cfg=TRITON_CFG, dtype=jnp.float32):
     """value_and_grad of a 300-token prefill (>= 256 queries: the prefill kernel) plus a decode
-    step (the decode kernels), float32, on `device` (default: the default device)."""
-    attn = random_layer(TRITON_CFG, layer, seed=11, break_mode="none", kernels=kernels, dtype=jnp.float32)
+    step (the decode kernels), in `dtype` (the loss in float32), on `device` (default: the
+    default device)."""
+    attn = random_layer(cfg, layer, seed=11, break_mode="none", kernels=kernels, dtype=dtype)
     rng = np.random.default_rng(12)
-    hidden = np.asarray(rng.normal(size=(1, 301, TRITON_CFG.hidden_size)), np.float32)
+    hidden = np.asarray(rng.normal(size=(1, 301, cfg.hidden_size)), np.float32)
     cache = attn.init_cache(1, 320).replace(layer_idx=-1)
     args = (attn.weights(), hidden, cache.replace(length=np.asarray(cache.length)))
     args = jax.device_put(args, device)
@@ -196,7 +197,7 @@ def _triton_grads(layer: int, kernels, device=None):
     def loss(weights, hidden, cache):
         out1, cache, _ = attention_step(weights, cache, hidden[:, :300], None, attn.step_spec())
         out2, _, _ = attention_step(weights, cache, hidden[:, 300:], None, attn.step_spec())
-        return jnp.mean(out1 ** 2) + jnp.mean(out2 ** 2)
+        return jnp.mean(out1.astype(jnp.float32) ** 2) + jnp.mean(out2.astype(jnp.float32) ** 2)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
 
@@ -210,3 +211,39 @@ def test_gpu_gradients_with_the_triton_kernels_equal_the_cpu_reference(layer):
     got = _triton_grads(layer, pallas)
     want = _triton_grads(layer, "xla", jax.devices("cpu")[0])
     assert_same_gradients(jax.device_get(got), jax.device_get(want), rtol=1e-4)
+
+
+# CSA's backward by the CUDA handler takes bf16 with 64 heads of 512 (V4-Flash's); the rest small.
+HANDLER_CFG = dsv4_jax.DeepseekV4Config.tiny(hidden_size=256, num_attention_heads=64, head_dim=512,
+                                              qk_rope_head_dim=64, q_lora_rank=64, o_groups=8, o_lora_rank=64,
+                                              sliding_window=32, index_n_heads=8, index_head_dim=64, index_topk=16)
+
+
+@pytest.mark.skipif(not (ON_GPU and native.available("cuda")),
+                    reason="the CUDA handler needs a GPU and the built CUDA extension")
+def test_gpu_gradients_through_the_cuda_backward_handler():
+    """A CSA layer's prefill + decode in bf16 with the kernels, CSA's backward by the CUDA handler
+    (`attention_backward="cuda"`, what "auto" takes there) against the Triton backward kernel:
+    the layer's wiring around the handler (the output rotation's share of delta, the cotangent
+    by output group, the sink) gives the Triton kernel's gradients, and both are as close to the
+    CPU's float32 XLA reference as bf16 allows (the handler within twice the Triton path's error)."""
+    def plan(backward):
+        return KernelPlan(decode_attention="pallas", prefill_attention="pallas", compress="pallas",
+                          query_norm="pallas", attention_backward=backward)
+
+    by_handler = jax.device_get(_triton_grads(1, plan("cuda"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))
+    by_triton = jax.device_get(_triton_grads(1, plan("triton"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))
+    want = jax.device_get(_triton_grads(1, "xla", jax.devices("cpu")[0], cfg=HANDLER_CFG))
+    np.testing.assert_allclose(float(by_handler[0]), float(by_triton[0]), rtol=1e-3)
+    paths = jax.tree_util.tree_leaves_with_path(want[1])
+    for (path, w), h, t in zip(paths, jax.tree.leaves(by_handler[1]), jax.tree.leaves(by_triton[1])):
+        name = jax.tree_util.keystr(path)
+        w, h, t = (np.asarray(a, np.float32) for a in (w, h, t))
+        scale = float(np.abs(w).max())
+        if scale == 0:  # the indexer's parameters: no gradient through the picks
+            assert not np.abs(h).max() and not np.abs(t).max(), name
+            continue
+        np.testing.assert_allclose(h, t, rtol=0, atol=5e-2 * float(np.abs(t).max()), err_msg=f"{name} against Triton")
+        handler_err, triton_err = (float(np.abs(a - w).max()) / scale for a in (h, t))
+        print(f"bf16 layer gradient {name}: handler {handler_err:.2e}, Triton {triton_err:.2e}")
+        assert handler_err <= max(2 * triton_err, 2 ** -6), name
