@@ -183,7 +183,7 @@ TRITON_CFG = dsv4_jax.DeepseekV4Config.tiny(num_attention_heads=16, head_dim=64,
                                              sliding_window=32, index_topk=16)
 
 
-def _triton_grads(layer: int, kernels, device=None, cfg=TRITON_CFG, dtype=jnp.float32):
+def _prefill_and_decode_grads(layer: int, kernels, device=None, cfg=TRITON_CFG, dtype=jnp.float32):
     """value_and_grad of a 300-token prefill (>= 256 queries: the prefill kernel) plus a decode
     step (the decode kernels), in `dtype` (the loss in float32), on `device` (default: the
     default device)."""
@@ -208,8 +208,8 @@ def test_gpu_gradients_with_the_triton_kernels_equal_the_cpu_reference(layer):
     """On the GPU with the Triton kernels forced for prefill and decode (and the native
     selection where built), float32 gradients equal the CPU's XLA reference gradients (rel 1e-4)."""
     pallas = KernelPlan(decode_attention="pallas", prefill_attention="pallas", compress="pallas", query_norm="pallas")
-    got = _triton_grads(layer, pallas)
-    want = _triton_grads(layer, "xla", jax.devices("cpu")[0])
+    got = _prefill_and_decode_grads(layer, pallas)
+    want = _prefill_and_decode_grads(layer, "xla", jax.devices("cpu")[0])
     assert_same_gradients(jax.device_get(got), jax.device_get(want), rtol=1e-4)
 
 
@@ -231,9 +231,9 @@ def test_gpu_gradients_through_the_cuda_backward_handler():
         return KernelPlan(decode_attention="pallas", prefill_attention="pallas", compress="pallas",
                           query_norm="pallas", attention_backward=backward)
 
-    by_handler = jax.device_get(_triton_grads(1, plan("cuda"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))
-    by_triton = jax.device_get(_triton_grads(1, plan("triton"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))
-    want = jax.device_get(_triton_grads(1, "xla", jax.devices("cpu")[0], cfg=HANDLER_CFG))
+    by_handler = jax.device_get(_prefill_and_decode_grads(1, plan("cuda"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))
+    by_triton = jax.device_get(_prefill_and_decode_grads(1, plan("triton"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))
+    want = jax.device_get(_prefill_and_decode_grads(1, "xla", jax.devices("cpu")[0], cfg=HANDLER_CFG))
     np.testing.assert_allclose(float(by_handler[0]), float(by_triton[0]), rtol=1e-3)
     paths = jax.tree_util.tree_leaves_with_path(want[1])
     for (path, w), h, t in zip(paths, jax.tree.leaves(by_handler[1]), jax.tree.leaves(by_triton[1])):
