@@ -418,16 +418,20 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 //   2. a histogram of kBins linear bins over [min, max] (monotone in the score: a higher score
 //      never lands in a lower bin), and the bin holding the K-th largest entry;
 //   3. every entry in that bin or above (K plus the threshold bin's other entries) is gathered
-//      as (score key, complemented index) composites and sorted: the first K are the picks.
+//      as (score key, complemented index) composites and ordered: the first K are the picks.
 //      Composites are distinct, so equal scores fall to the lower index exactly as in the
-//      reference, whatever the gather order.
+//      reference, whatever the gather order. Ordered by placement where every gathered bin
+//      holds at most kRankMaxBin entries (real scores: the bins above the threshold are
+//      sparse): the histogram's descending prefix is each bin's first output position, an
+//      entry's position that plus the entries of its own bin above it; no sort, two passes and
+//      one barrier where a bitonic sort of 1,024 takes 55 stages. Otherwise a bitonic sort.
 // Fallback (the threshold bin holds more than the candidate capacity: masses of exact ties, or
 // one outlier squeezing the row into a few bins): a 4-pass radix select (8 bits a pass) finds
 // the K-th largest score key; the entries above it, and the lowest-index entries equal to it
 // (a block prefix count in index order), are the picks, sorted the same way.
-// A row of at most `capacity` entries is gathered and sorted whole.
 constexpr int kTopkThreads = 512;   // threads per query row
 constexpr int kBins = 2048;         // linear bins of the fast path
+constexpr uint32_t kRankMaxBin = 32;  // fullest gathered bin that is ordered by placement, not sorted
 constexpr int kMinCapacity = 1024;  // candidates the fast path may sort (2x the sort size of K, <= kMaxSortSize)
 constexpr uint32_t kMinusInfKey = 0x007FFFFFu;  // OrderedKey(-inf): finite keys lie strictly between
 constexpr uint32_t kPlusInfKey = 0xFF800000u;   // OrderedKey(+inf)
@@ -612,6 +616,30 @@ struct TopkArgs {
 // (-inf included), so padding sorts after every entry and never displaces one.
 constexpr uint32_t kPadScoreBits = 0xFFFFFFFFu;
 
+// Output position `place` of the row (block) gets the composite `c` of entry `first + slot`:
+// a segment's pair (score, entry index), or a pick (mapped through index_map by the merge).
+__device__ __forceinline__ void WritePick(const TopkArgs& a, int64_t row, uint32_t place, int64_t first, uint64_t c) {
+  const uint32_t slot = 0xFFFFFFFFu - static_cast<uint32_t>(c & 0xFFFFFFFFu);
+  if (a.seg_scores != nullptr) {
+    const int64_t out = row * a.out_stride + static_cast<int64_t>(blockIdx.y) * a.top_k + place;
+    a.seg_scores[out] = KeyToFloat(static_cast<uint32_t>(c >> 32));
+    a.seg_index[out] = static_cast<int32_t>(first + slot);
+    return;
+  }
+  a.picks[row * a.top_k + place] = a.index_map != nullptr ? a.index_map[row * a.row_stride + slot] : static_cast<int32_t>(slot);
+}
+
+// Output position `place` past the row's entries: padding.
+__device__ __forceinline__ void WritePad(const TopkArgs& a, int64_t row, int place) {
+  if (a.seg_scores != nullptr) {
+    const int64_t out = row * a.out_stride + static_cast<int64_t>(blockIdx.y) * a.top_k + place;
+    a.seg_scores[out] = __uint_as_float(kPadScoreBits);
+    a.seg_index[out] = -1;
+    return;
+  }
+  a.picks[row * a.top_k + place] = -1;
+}
+
 // grid (rows * seq, segments), block kTopkThreads, shared: capacity uint64 (+ segment uint32 when kStaged).
 template <bool kStaged>
 __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) {
@@ -620,6 +648,7 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
   uint64_t* cand = reinterpret_cast<uint64_t*>(topk_smem);          // [capacity] candidate composites
   uint32_t* staged = reinterpret_cast<uint32_t*>(cand + capacity);  // kStaged: [n] ordered keys of the row
   __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t bin_next[kBins];  // placement: the next output position of each gathered bin
   __shared__ uint32_t warp_counts[kTopkThreads / 32], warp_min[kTopkThreads / 32], warp_max[kTopkThreads / 32];
   __shared__ uint32_t chosen_bin, above_bin, equal_count, slot_counter;
   const int64_t row = blockIdx.x, first = static_cast<int64_t>(blockIdx.y) * a.segment;
@@ -633,13 +662,11 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
   };
   if (tid == 0) slot_counter = 0;
   int n_cand = 0;
-  bool sorted_fast = false;
+  bool sorted_fast = n == 0;  // nothing visible: only padding
+  // Entries the picks take: K, or the whole row where it is shorter.
+  const uint32_t wanted = static_cast<uint32_t>(min(static_cast<int64_t>(top_k), n));
 
-  if (n <= capacity) {  // the whole row is the candidate set
-    for (int64_t i = tid; i < n; i += stride) cand[i] = Composite(OrderedKey(s[i]), i);
-    n_cand = static_cast<int>(n);
-    sorted_fast = true;
-  } else {
+  if (n > 0) {
     // 1. Stage the row; its finite minimum and maximum keys.
     uint32_t key_min = 0xFFFFFFFFu, key_max = 0u;
     for (int64_t base = 0; base < n; base += batch_span) {
@@ -690,24 +717,57 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
       local[j] = hist[kBins - 1 - kBinsPerThread * tid - j];
       sum += local[j];
     }
-    const uint32_t need = static_cast<uint32_t>(top_k);
     uint32_t above = BlockInclusiveSum(sum, warp_counts) - sum;
-    if (above < need && need <= above + sum) {
+    // Each bin's first output position (the entries of higher bins), and the fullest bin among
+    // those gathered (a bin is gathered when entries before it are fewer than `wanted`).
+    uint32_t fullest = 0;
 #pragma unroll
-      for (int j = 0; j < kBinsPerThread; ++j) {
-        if (above < need && need <= above + local[j]) {
-          chosen_bin = kBins - 1 - kBinsPerThread * tid - j;
-          above_bin = above;
-          equal_count = local[j];
-        }
-        above += local[j];
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      bin_next[kBins - 1 - kBinsPerThread * tid - j] = above;
+      if (above < wanted && wanted <= above + local[j]) {
+        chosen_bin = kBins - 1 - kBinsPerThread * tid - j;
+        above_bin = above;
+        equal_count = local[j];
       }
+      if (above < wanted) fullest = max(fullest, local[j]);
+      above += local[j];
     }
+    fullest = __reduce_max_sync(kFullMask, fullest);
+    if (lane == 0) warp_max[warp] = fullest;
     __syncthreads();
+    for (int v = 0; v < static_cast<int>(blockDim.x >> 5); ++v) fullest = max(fullest, warp_max[v]);
+    const uint32_t threshold_bin = chosen_bin;
+    n_cand = static_cast<int>(above_bin + equal_count);
 
-    // 3. Gather the chosen bin and everything above it, when that fits.
-    if (above_bin + equal_count <= static_cast<uint32_t>(capacity)) {  // uniform across the block
-      const uint32_t threshold_bin = chosen_bin;
+    // 3a. Placement: every gathered entry to its bin's range, then to its place in the range.
+    if (n_cand <= capacity && fullest <= kRankMaxBin) {  // uniform across the block
+      for (int64_t base = 0; base < n; base += batch_span) {
+        uint32_t keys[kLoadBatch];
+        load(base, keys);
+#pragma unroll
+        for (int j = 0; j < kLoadBatch; ++j) {
+          const int64_t i = base + j * stride + tid;
+          if (i < n) {
+            const uint32_t bin = LinearBin(keys[j], key_min, key_max, lo, inv);
+            if (bin >= threshold_bin) cand[atomicAdd(&bin_next[bin], 1u)] = Composite(keys[j], i);
+          }
+        }
+      }
+      __syncthreads();  // bin_next[b] is now the end of bin b's range
+      for (int i = tid; i < n_cand; i += blockDim.x) {
+        const uint64_t c = cand[i];
+        const uint32_t bin = LinearBin(static_cast<uint32_t>(c >> 32), key_min, key_max, lo, inv);
+        const uint32_t end = bin_next[bin];
+        uint32_t place = end - hist[bin];
+        for (uint32_t j = place; j < end; ++j) place += cand[j] > c ? 1u : 0u;
+        if (place < static_cast<uint32_t>(top_k)) WritePick(a, row, place, first, c);
+      }
+      for (int i = n_cand + tid; i < top_k; i += blockDim.x) WritePad(a, row, i);
+      return;
+    }
+
+    // 3b. Gather the chosen bin and everything above it for the sort, when that fits.
+    if (n_cand <= capacity) {  // uniform across the block
       for (int64_t base = 0; base < n; base += batch_span) {
         uint32_t keys[kLoadBatch];
         load(base, keys);
@@ -718,7 +778,6 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
           AppendCandidate(take, Composite(keys[j], i), cand, &slot_counter);
         }
       }
-      n_cand = static_cast<int>(above_bin + equal_count);
       sorted_fast = true;
     }
   }
@@ -726,7 +785,7 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
   if (!sorted_fast) {
     // Fallback: radix select. After the four passes, `prefix` is the key of the K-th largest
     // score and `need` the number of entries with exactly that key that belong to the top K.
-    uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(top_k);
+    uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(top_k);  // here n > capacity >= K
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += stride) hist[i] = 0;
       __syncthreads();
@@ -811,19 +870,8 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
     case 4: SortDescending<4>(cand, size); break;
     default: SortDescending<8>(cand, size); break;
   }
-  if (a.seg_scores != nullptr) {  // a segment's K best pairs
-    const int64_t out = row * a.out_stride + static_cast<int64_t>(blockIdx.y) * top_k;
-    for (int i = tid; i < top_k; i += blockDim.x) {
-      const bool real = i < n_cand;
-      a.seg_scores[out + i] = real ? KeyToFloat(static_cast<uint32_t>(cand[i] >> 32)) : __uint_as_float(kPadScoreBits);
-      a.seg_index[out + i] = real ? static_cast<int32_t>(first + (0xFFFFFFFFu - static_cast<uint32_t>(cand[i] & 0xFFFFFFFFu))) : -1;
-    }
-    return;
-  }
-  int32_t* out = a.picks + row * top_k;
   for (int i = tid; i < top_k; i += blockDim.x) {
-    const int32_t slot = i < n_cand ? static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(cand[i] & 0xFFFFFFFFu)) : -1;
-    out[i] = (a.index_map != nullptr && slot >= 0) ? a.index_map[row * a.row_stride + slot] : slot;
+    if (i < n_cand) WritePick(a, row, i, first, cand[i]); else WritePad(a, row, i);
   }
 }
 

@@ -9,6 +9,8 @@ entries than k, nothing visible. The break's place is planned once, with clear e
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,11 +68,12 @@ def test_topk_on_long_rows(graph):
 
 
 def spread_rows(rng, slots: int) -> np.ndarray:
-    """Rows [6, 1, T] that take each path of the CUDA top-k: continuous scores (the threshold's
-    bin is small: gathered and sorted), scores rounded to 1/64 (exact ties inside that bin, signed zeros among them),
-    a large offset (all scores within a sliver of the range), one huge outlier squeezing the
-    rest into the bottom bin (the radix fallback), infinities among finite scores, and all
-    scores equal (no spread)."""
+    """Rows [6, 1, T] that take each path of the CUDA top-k: continuous scores (the gathered bins
+    hold a few entries each: ordered by placement, no sort), scores rounded to 1/64 (exact ties
+    inside the bins, signed zeros among them), a large offset (all scores within a sliver of the
+    range: a few float32 values, bins of dozens of ties, gathered and sorted from 4k entries on),
+    one huge outlier squeezing the rest into the bottom bin (the radix fallback), infinities
+    among finite scores, and all scores equal (no spread)."""
     normal = rng.normal(size=(slots,))
     rows = [normal, np.round(normal * 64) / 64, 1000.0 + 1e-3 * normal, normal.copy(), normal.copy(),
             np.full(slots, 0.25)]
@@ -274,11 +277,14 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     np.testing.assert_array_equal(np.asarray(picks), reference_picks(np.asarray(scores), np.asarray(visible), 64))
     seen = np.isfinite(np.asarray(xla.scores))
     assert rel_err(np.asarray(scores)[seen], np.asarray(xla.scores)[seen]) < 1e-5
-    # The layer's native selection hands the stored form over (no dequantized copy of the keys).
-    select = breaks.plan_break(CSA, "none", kernels="native").indexer_select()
+    # The layer's native selection with the handler's scoring hands the stored form over (no
+    # dequantized copy of the keys). Pinned: on CUDA "auto" scores these 4 queries a row with the
+    # Pallas kernel, which reads a dequantized copy unless select_keys="stored" (tests/test_indexer_kernel.py).
+    handler_scoring = dsv4_jax.KernelPlan(select="native", select_scores="native")
+    select = breaks.plan_break(CSA, "none", kernels=handler_scoring).indexer_select()
     lowered = jax.jit(lambda q, w, rows, v: select(q, w, rows, v, top_k=64).picks).lower(q, w, rows, visible)
     assert "dsv4_select_topk_fp4" in lowered.as_text()
-    copy = breaks.plan_break(CSA, "none", kernels=dsv4_jax.KernelPlan(select="native", select_keys="dequantized"))
+    copy = breaks.plan_break(CSA, "none", kernels=dataclasses.replace(handler_scoring, select_keys="dequantized"))
     lowered = jax.jit(lambda q, w, rows, v: copy.indexer_select()(q, w, rows, v, top_k=64).picks).lower(
         q, w, rows, visible)
     assert "dsv4_select_topk_fp4" not in lowered.as_text() and "dsv4_select_topk" in lowered.as_text()
