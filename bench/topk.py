@@ -7,7 +7,8 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
 
 * ``topk``    the top-k alone on float32 scores [rows, 1, T]: `native.topk` (graph-compatible
               and eager targets) against `lax.top_k` + -1 masking (`indexer.picks_from_scores`).
-              The issue's yardstick: 64 rows of 16k entries, k = 512.
+              The issue's yardstick: 64 rows of 16k entries, k = 512. Each shape on tied scores
+              (bins of exact ties: the CUDA kernel's sort) and on continuous ones (its placement).
 * ``select``  scoring + top-k for a decode step, queries [B, 1, nI, c] against the key cache
               [B, T, c] in bfloat16: `native.select_topk` against `indexer.select_topk` (XLA).
 * ``select_fp4``  the same decode step over an FP8 cache's MXFP4 keys (68 bytes a key: codes
@@ -119,10 +120,15 @@ def time_variants(case: str, variants: dict, args: tuple, unroll: int, repeats: 
     return out
 
 
-def topk_case(rows: int, slots: int, k: int, unroll: int, repeats: int, seed: int = 0) -> list[dict]:
+def topk_case(rows: int, slots: int, k: int, unroll: int, repeats: int, seed: int = 0,
+              scores_kind: str = "tied") -> list[dict]:
+    """`scores_kind`: "continuous" (standard normal: few entries a histogram bin, as real indexer
+    scores; the CUDA kernel orders its candidates by placement) or "tied" (every 7th score
+    rounded to an integer: bins of dozens of exact ties, which the kernel sorts)."""
     rng = np.random.default_rng(seed)
     scores = rng.standard_normal((unroll, rows, 1, slots)).astype(np.float32)
-    scores[..., ::7] = np.round(scores[..., ::7])  # exact ties at several levels
+    if scores_kind == "tied":
+        scores[..., ::7] = np.round(scores[..., ::7])  # exact ties at several levels
     visible = np.full((unroll, rows, 1), slots, np.int32)
     variants = {
         "xla-lax.top_k": lambda s, v: indexer.picks_from_scores(s, v, k),
@@ -130,7 +136,7 @@ def topk_case(rows: int, slots: int, k: int, unroll: int, repeats: int, seed: in
         "native-eager": lambda s, v: native.topk(s, v, top_k=k, graph=False),
     }
     return time_variants("topk", variants, (jnp.asarray(scores), jnp.asarray(visible)), unroll, repeats,
-                         {"rows": rows, "slots": slots, "top_k": k})
+                         {"rows": rows, "slots": slots, "top_k": k, "scores": scores_kind})
 
 
 def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
@@ -276,7 +282,8 @@ def main(argv=None) -> None:
     cases = set(args.cases.split(","))
     if args.quick:
         if "topk" in cases:
-            records += topk_case(rows=8, slots=2048, k=64, unroll=4, repeats=5)
+            for kind in ("tied", "continuous"):
+                records += topk_case(rows=8, slots=2048, k=64, unroll=4, repeats=5, scores_kind=kind)
         if "select" in cases:
             records += select_case(batch=2, slots=256, heads=64, dim=128, k=64, unroll=2, repeats=3,
                                    dtype=jnp.float32)
@@ -288,8 +295,10 @@ def main(argv=None) -> None:
                                            configs=args.pallas_configs)
     else:
         if "topk" in cases:
-            for rows, slots in ((64, 16384), (64, 4096), (64, 131072), (32, 4096), (1, 4096)):
-                records += topk_case(rows=rows, slots=slots, k=512, unroll=10, repeats=args.repeats)
+            for kind in ("tied", "continuous"):
+                for rows, slots in ((64, 16384), (64, 4096), (64, 131072), (32, 4096), (1, 4096)):
+                    records += topk_case(rows=rows, slots=slots, k=512, unroll=10, repeats=args.repeats,
+                                         scores_kind=kind)
         if "select" in cases:
             for batch, slots in ((1, 512), (1, 4096), (8, 4096), (32, 4096), (32, 512)):
                 records += select_case(batch=batch, slots=slots, heads=64, dim=128, k=512, unroll=10,
@@ -315,7 +324,7 @@ def main(argv=None) -> None:
         if r.get("skipped"):
             print(f"{r['case']:10} {r['variant']:22} skipped: {r['skipped']}")
             continue
-        shape = (f"{r['rows']}x{r['slots']} k={r['top_k']}" if r["case"] == "topk"
+        shape = (f"{r['rows']}x{r['slots']} k={r['top_k']} {r['scores']}" if r["case"] == "topk"
                  else f"S={r['seq']} T={r['slots']} {r['dtype']}" if r["case"] == "select_prefill"
                  else f"B={r['batch']} T={r['slots']} {r['dtype']}")
         dev_us = f"  device {r['device_us_per_op']:.1f} us in {r['kernels_per_op']:.1f} kernels" \

@@ -34,6 +34,21 @@ def test_a_prefill_query_block_records_each_variant_and_its_picks_agree():
         topk.pallas_configs("128:8")
 
 
+@pytest.mark.parametrize("kind", ["tied", "continuous"])
+def test_the_topk_case_records_its_kind_of_scores_and_the_variants_agree(kind):
+    """`topk`: the native top-k (both targets) and `lax.top_k` pick the same entries, on tied
+    scores (the CUDA kernel's sort) and on continuous ones (its placement); each record says which."""
+    from bench import topk
+
+    records = topk.topk_case(rows=2, slots=64, k=8, unroll=1, repeats=1, scores_kind=kind)
+    assert {r["variant"] for r in records} == {"xla-lax.top_k", "native-graph", "native-eager"}
+    for r in records:
+        if "skipped" in r:  # no native handler on this platform
+            assert r["variant"].startswith("native"), r
+            continue
+        assert r["scores"] == kind and r["slots"] == 64 and r["top_k"] == 8 and r["picks_equal"], r
+
+
 def test_the_profile_splits_an_operation_into_its_kernels(tmp_path):
     """`kernel_profile.profile` lists, besides the per-operation rows, the kernels by name (an
     operation such as the selection's custom call launches two): times per step, largest first,
