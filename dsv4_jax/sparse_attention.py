@@ -178,7 +178,7 @@ def sparse_attention(
         def reference(q, pool, window_idx, sinks, entries, picks, visible):
             return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible).o
 
-        chosen = _kernel_blocks(q, entries, picks, kernels)
+        chosen = _kernel_blocks(q, entries, picks, window_idx.shape[-1], kernels)
         if chosen is not None:
             static = None if rotation is None else (rotation.freqs, float(rotation.scale))
             kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
@@ -193,9 +193,9 @@ def sparse_attention(
     return out._replace(o=derotate_output(out.o, rotation.positions, rotation.freqs, rotation.scale))
 
 
-def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] | None:
+def _kernel_blocks(q, entries, picks, window_keys: int, kernels: KernelPlan) -> tuple[dict, bool] | None:
     """(the kernel's blocks, interpret mode) where the plan asks for `sparse_attention_kernel`
-    on these shapes, else None (the XLA path).
+    on these shapes (`window_keys`: W of window_idx [B, S, W]), else None (the XLA path).
 
     "interpret": the kernel in interpret mode (any backend). "auto": on CUDA where it measured
     faster (`sparse_attention_kernel.default_blocks`); "pallas": on CUDA for every shape the
@@ -214,7 +214,8 @@ def _kernel_blocks(q, entries, picks, kernels: KernelPlan) -> tuple[dict, bool] 
     # The plan's blocks (A/B runs) wherever the kernel runs, else the table's, else the forced defaults.
     given = kernels.blocks(phase)
     blocks = (sparse_attention_kernel.as_blocks(given) if given is not None
-              else table or sparse_attention_kernel.forced_blocks(phase, q.dtype))
+              else sparse_attention_kernel.fit_to_window(table or sparse_attention_kernel.forced_blocks(phase, q.dtype),
+                                                         window_keys))
     if choice == "interpret":
         return blocks, True
     if jax.default_backend() != "gpu" or not sparse_attention_kernel.supported_on_gpu(q, **blocks):

@@ -151,6 +151,20 @@ def forced_blocks(phase: str, dtype=jnp.bfloat16) -> dict:
     return as_blocks(FORCED_BLOCKS["prefill_float32" if wide else phase])
 
 
+def fit_to_window(blocks: dict, window_keys: int) -> dict:
+    """`blocks` with half as many keys a block (32 at the least) where the window
+    (`window_keys` slots a query) would take a single key block: Triton then gives that block
+    buffers of its own beside the pipelined entry blocks, and 64 heads of 512 with 64-key blocks
+    asked for 262,656 bytes of shared memory in 3 stages, 262,400 in 2 with masked blocks
+    skipped (compiles for the H200 without one, session 65; it has 232,448), where V4's 128-key
+    window (two blocks) takes 193 KiB. For the table's and the forced blocks; a plan's own
+    blocks are taken as given."""
+    keys = blocks["block_keys"]
+    if keys > 32 and -(-window_keys // keys) <= 1:
+        return {**blocks, "block_keys": max(32, keys // 2)}
+    return blocks
+
+
 def as_blocks(chosen) -> dict:
     """(block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]) -> the kernel's keywords."""
     names = ("block_keys", "block_heads", "num_warps", "num_stages", "skip_masked_blocks")

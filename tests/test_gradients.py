@@ -227,11 +227,11 @@ def test_gpu_gradients_through_the_cuda_backward_handler():
     backward kernel: the layer's wiring around the handler (the output rotation's share of delta,
     the cotangent by output group, the sink) gives the Triton kernel's gradients, and both are as
     close to the CPU's float32 XLA reference as bf16 allows (the handler within twice the Triton
-    path's error). The prefill kernel's blocks are smaller than V4-Flash's (64, 64, 8, 3): at this
-    small config (a 32-token window, 16 picks) those asked for 262,656 bytes of shared memory, more
-    than an H100 has (session 65; at V4-Flash sizes they take 193 KiB)."""
+    path's error). Its 32-key window takes one key block: the prefill kernel's blocks are fitted
+    to it (`sparse_attention_kernel.fit_to_window`; V4-Flash's blocks asked for more shared
+    memory than the card has, session 65, whose H100 run passed with blocks (32, 64, 8, 2) given)."""
     def plan(backward):
-        return KernelPlan(attention_backward=backward, prefill_blocks=(32, 64, 8, 2))
+        return KernelPlan(attention_backward=backward)
 
     by_handler = jax.device_get(_prefill_and_decode_grads(1, plan("cuda"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))
     by_triton = jax.device_get(_prefill_and_decode_grads(1, plan("triton"), cfg=HANDLER_CFG, dtype=jnp.bfloat16))

@@ -194,3 +194,31 @@ def test_the_split_merge_kernel_shortens_a_decode_steps_chain(batch):
     assert row["triton_calls"] == base["triton_calls"] + 1
     assert row["stages_per_layer"]["sparse_attention"] < base["stages_per_layer"]["sparse_attention"]
     assert row["critical_path_per_layer"] < base["critical_path_per_layer"]
+
+
+@pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
+def test_a_short_window_prefill_compiles_at_v4_flash_heads(layer):
+    """64 heads of 512 in bf16 with a 32-key window (V4's is 128): the default plan's prefill
+    kernel blocks are fitted to a window of one key block (`sparse_attention_kernel.fit_to_window`),
+    whose 64-key blocks asked for 262,656 bytes of shared memory, past the H200's 232,448."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from helpers import random_layer
+
+    from bench import deviceless
+
+    cfg = dsv4_jax.DeepseekV4Config.tiny(hidden_size=256, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+                                         q_lora_rank=64, o_groups=8, o_lora_rank=64, sliding_window=32,
+                                         index_n_heads=8, index_head_dim=64, index_topk=16)
+    device = deviceless.target_device("h200")
+    with deviceless.pretend_gpu():
+        attn = random_layer(cfg, layer, break_mode="none", dtype=jnp.bfloat16)
+        cache = attn.init_cache(1, 320).replace(layer_idx=-1)
+        args = deviceless._abstract((attn.weights(), cache.replace(length=np.asarray(cache.length))), device)
+        hidden = jax.ShapeDtypeStruct((1, 256, cfg.hidden_size), jnp.bfloat16,
+                                      sharding=jax.sharding.SingleDeviceSharding(device))
+        step = jax.jit(lambda w, c, x: dsv4_jax.attention_step(w, c, x, None, attn.step_spec())[0])
+        lowered = step.trace(args[0], args[1], hidden).lower(lowering_platforms=("cuda",))
+    assert "sparse_attention_kernel" in lowered.as_text()
+    lowered.compile()  # raised RESOURCE_EXHAUSTED before the blocks were fitted

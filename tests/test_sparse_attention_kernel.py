@@ -160,6 +160,18 @@ def test_the_cuda_default_table():
         assert sak.default_blocks(kind, batch or 3, phase, 4096, entries=entries)["block_keys"] == chosen[0]
 
 
+def test_blocks_are_fitted_to_a_window_of_one_key_block():
+    """A window that one key block holds (V4's 128 keys take two of 64) gets half the keys a block:
+    Triton buffers its block beside the pipelined entry blocks, past the H200's shared memory at
+    64 heads of 512 (tests/test_h200_compile.py compiles it). 32-key blocks are kept."""
+    prefill = sak.default_blocks("csa", 1, "prefill", 4096)
+    assert sak.fit_to_window(prefill, 128) == prefill
+    assert sak.fit_to_window(prefill, 64) == {**prefill, "block_keys": 32}
+    assert sak.fit_to_window(prefill, 32) == {**prefill, "block_keys": 32}
+    assert sak.fit_to_window(sak.default_blocks("hca", 1), 16) == sak.default_blocks("hca", 1)  # 32 keys already
+    assert sak.fit_to_window(sak.default_blocks("csa", 1), 8) == sak.default_blocks("csa", 1)  # 16 keys
+
+
 @pytest.mark.parametrize("kind, phase, batch", list(sak.CUDA_DEFAULT_BLOCKS))
 def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     """Each CUDA default: `sparse_attention` hands its blocks to the kernel for a bf16 call, and
