@@ -24,6 +24,11 @@ import dsv4_jax
 from dsv4_jax import native
 
 DATA = Path(__file__).parent / "data"
+# V4-Flash's attention heads (64 of 512: the sizes of the CUDA backward handler and of the kernels'
+# largest blocks) in an otherwise tiny layer with a 32-key window and 16 picks.
+FLASH_HEADS_CFG = dsv4_jax.DeepseekV4Config.tiny(hidden_size=256, num_attention_heads=64, head_dim=512,
+                                                 qk_rope_head_dim=64, q_lora_rank=64, o_groups=8, o_lora_rank=64,
+                                                 sliding_window=32, index_n_heads=8, index_head_dim=64, index_topk=16)
 GOLDEN_FILES = ("tiny_seed1.npz", "small_seed0.npz")
 
 

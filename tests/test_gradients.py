@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import random_layer, rel_err
+from helpers import FLASH_HEADS_CFG, random_layer, rel_err
 
 import dsv4_jax
 from dsv4_jax import KernelPlan, attention_step, native
@@ -214,9 +214,7 @@ def test_gpu_gradients_with_the_triton_kernels_equal_the_cpu_reference(layer):
 
 
 # CSA's backward by the CUDA handler takes bf16 with 64 heads of 512 (V4-Flash's); the rest small.
-HANDLER_CFG = dsv4_jax.DeepseekV4Config.tiny(hidden_size=256, num_attention_heads=64, head_dim=512,
-                                              qk_rope_head_dim=64, q_lora_rank=64, o_groups=8, o_lora_rank=64,
-                                              sliding_window=32, index_n_heads=8, index_head_dim=64, index_topk=16)
+HANDLER_CFG = FLASH_HEADS_CFG
 
 
 @pytest.mark.skipif(not (ON_GPU and native.available("cuda")),

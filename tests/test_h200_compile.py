@@ -204,13 +204,11 @@ def test_a_short_window_prefill_compiles_at_v4_flash_heads(layer):
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from helpers import FLASH_HEADS_CFG as cfg
     from helpers import random_layer
 
     from bench import deviceless
 
-    cfg = dsv4_jax.DeepseekV4Config.tiny(hidden_size=256, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
-                                         q_lora_rank=64, o_groups=8, o_lora_rank=64, sliding_window=32,
-                                         index_n_heads=8, index_head_dim=64, index_topk=16)
     device = deviceless.target_device("h200")
     with deviceless.pretend_gpu():
         attn = random_layer(cfg, layer, break_mode="none", dtype=jnp.bfloat16)
