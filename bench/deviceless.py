@@ -51,7 +51,7 @@ if _ROOT not in sys.path:
 from bench import hlo_census  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import native  # noqa: E402
-from dsv4_jax.kernel_plan import BACKWARD_CHOICES, PROJECTION_CHOICES, KernelPlan, as_kernel_plan  # noqa: E402
+from dsv4_jax.kernel_plan import BACKWARD_CHOICES, KernelPlan, as_kernel_plan  # noqa: E402
 
 TARGETS = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h200.txtpb")}
 ATTACHED = "attached"  # target: the GPU of this machine
@@ -232,8 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="blocks of every decode step the kernel runs (as bench/stack.py's)")
     ap.add_argument("--projection-kernel", action="store_true",
                     help="the projections of calls of at most 64 token rows by the Pallas kernel (as bench/stack.py's)")
-    ap.add_argument("--projections", default=None, choices=PROJECTION_CHOICES,
-                    help="the projections' implementation (KernelPlan projections; 'cuda': the CUDA handler)")
     ap.add_argument("--query-norm-kernel", action="store_true",
                     help="the queries' norm and RoPE by the Pallas kernel, decode too (as bench/stack.py's)")
     ap.add_argument("--merge-kernel", action="store_true",
@@ -254,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     tokens = args.tokens or ("16384" if args.scenario == "decode" else "4096")
-    ab = (args.decode_kernel or args.decode_blocks or args.projection_kernel or args.projections or args.merge_kernel
+    ab = (args.decode_kernel or args.decode_blocks or args.projection_kernel or args.merge_kernel
           or args.no_merge_kernel or args.query_norm_kernel)
     kernels = stack_mod.kernel_plan(args) if ab else "auto"
     if args.attention_backward:

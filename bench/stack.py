@@ -84,7 +84,7 @@ from dsv4_jax import overlap as overlap_mod  # noqa: E402
 from dsv4_jax import step as step_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 from dsv4_jax.demo import stack_step  # noqa: E402
-from dsv4_jax.kernel_plan import PROJECTION_CHOICES, KernelPlan, as_kernel_plan  # noqa: E402
+from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
 from dsv4_jax.quantized_cache import check_kv_cache_dtype  # noqa: E402
 
 STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
@@ -639,7 +639,7 @@ def kernel_plan(args, kernels="auto") -> KernelPlan:
     --(no-)merge-kernel ("pallas" / "xla" for that stage), --decode-blocks
     and --prefill-blocks (the kernel's blocks wherever it runs for that phase), --select-segments
     (blocks a row of the native top-k), --select-keys and --select-scores (how the native
-    selection reads an FP8 cache's keys, and whose scores its top-k picks from), --projections."""
+    selection reads an FP8 cache's keys, and whose scores its top-k picks from)."""
     plan = as_kernel_plan(kernels)
     changes = {}
     for stage, (on, off) in KERNEL_FLAGS.items():
@@ -657,8 +657,6 @@ def kernel_plan(args, kernels="auto") -> KernelPlan:
         changes["select_keys"] = args.select_keys
     if getattr(args, "select_scores", None):
         changes["select_scores"] = args.select_scores
-    if getattr(args, "projections", None):
-        changes["projections"] = args.projections
     return dataclasses.replace(plan, **changes)
 
 
@@ -860,10 +858,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--select-scores", default=None, choices=("native", "pallas"),
                     help="the scores the native selection's top-k picks from (KernelPlan select_scores; "
                          "default: the Pallas scoring kernel for prefill chunks on CUDA, the handler's for decode)")
-    ap.add_argument("--projections", default=None, choices=PROJECTION_CHOICES,
-                    help="the input and output projections (and wq_b for 'cuda') by this implementation "
-                         "(KernelPlan projections; 'cuda': the CUDA handler for 1-8 bf16 token rows, "
-                         "dsv4_jax.projection_kernel)")
     ap.add_argument("--overlap", default="auto", metavar="SETTING[,SETTING...]",
                     help="the layers' overlap (dsv4_jax.overlap: auto, on, off); a list runs each job once per "
                          "setting, in order, back to back (the A/B: e.g. on,off,on); records carry `overlap`")

@@ -36,7 +36,6 @@
 #include "finite_flag.h"
 #include "mma_sm80.h"
 #include "python_module.h"
-#include "project_few_rows.h"
 #include "select_topk.h"
 #include "sparse_attention_backward.h"
 
@@ -1154,7 +1153,6 @@ PyObject* Registrations(PyObject*, PyObject*) {
       {"dsv4_finite_flag", reinterpret_cast<void*>(&Dsv4FiniteFlag)},  // finite_flag_cuda.cu (graph compatible)
       // sparse_attention_backward_cuda.cu (graph compatible)
       {"dsv4_sparse_attention_backward", reinterpret_cast<void*>(&Dsv4SparseAttentionBackward)},
-      {"dsv4_project_few_rows", reinterpret_cast<void*>(&Dsv4ProjectFewRows)},  // project_few_rows_cuda.cu (graph compatible)
   };
   return dsv4::CapsuleDict(targets);
 }

@@ -28,8 +28,7 @@ stage                  kernel                                 reference
                        and backward (`head_norm_kernel`)      gradients)
 ``projections``        the input and output projections of    XLA's GEMM (`backend.einsum`)
                        a few token rows as a Pallas kernel
-                       (`projection_kernel`) or, with
-                       ``wq_b``, as a CUDA handler (csrc/)
+                       (`projection_kernel`)
 ``split_merge``        decode attention's key splits merged   `split_merge_kernel.combine`, then
                        with the sink and de-rotated as one    `rope.apply_rope`
                        Pallas kernel (`split_merge_kernel`)
@@ -53,8 +52,7 @@ stage                  kernel                                 reference
 
 or is a `KernelPlan` for one stage at a time (A/B runs, forced block sizes). Each stage's choice:
 "auto" (the measured default above), "pallas" (the kernel on CUDA for every shape it takes, the
-reference on other platforms), "interpret" or "xla" (``projections`` also "cuda": the CUDA
-handler); ``select``: "auto", "native" or "xla";
+reference on other platforms), "interpret" or "xla"; ``select``: "auto", "native" or "xla";
 ``select_scores``: "auto", "native", "pallas" or "interpret".
 
 The plan is resolved once per step (`resolve`, for the step's platform) and sits in the step's
@@ -79,7 +77,6 @@ STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
 BACKWARD_CHOICES = ("auto", "triton", "wgmma", "cuda", "xla")
-PROJECTION_CHOICES = ("auto", "pallas", "cuda", "interpret", "xla")
 PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm", "projections", "split_merge")
 
 
@@ -96,9 +93,7 @@ class KernelPlan:
     projections:       the same, for the input and output projections of calls of at most 64
                        token rows (`projection_kernel`; "auto": XLA's GEMMs: inside a decode
                        step on an H100 the kernel measured level with them at B = 32, slower
-                       at B = 1); or "cuda": the CUDA handler for calls of 1-8 bf16 token rows,
-                       ``wq_b`` too (`native.project_few_rows`, where the CUDA extension is
-                       built; XLA's GEMMs elsewhere)
+                       at B = 1)
     split_merge:       the same, for merging the decode attention kernel's key splits with the
                        sink and undoing the output's RoPE in one kernel (`split_merge_kernel`;
                        where that kernel splits a row's keys; "auto": the kernel for CSA calls
@@ -162,8 +157,7 @@ class KernelPlan:
     def __post_init__(self):
         check_choice("kernels.select", self.select, SELECT_CHOICES)
         for stage in PALLAS_STAGES:
-            check_choice(f"kernels.{stage}", getattr(self, stage),
-                         PROJECTION_CHOICES if stage == "projections" else STAGE_CHOICES)
+            check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
         check_choice("kernels.attention_backward", self.attention_backward, BACKWARD_CHOICES)
         check_choice("kernels.select_keys", self.select_keys, ("auto", "stored", "dequantized"))
         check_choice("kernels.select_scores", self.select_scores, SCORES_CHOICES)
@@ -191,14 +185,14 @@ class KernelPlan:
 
     def resolve(self, platform: str, native_available: bool) -> KernelPlan:
         """This plan for `platform` ("cpu", "cuda", ...): "auto" selection decided by whether the
-        native handlers are usable there; stages that only run on CUDA ("auto", "pallas", and
-        the projections' "cuda") become "xla" elsewhere, and the scoring kernel ("auto",
-        "pallas") "native". The result holds no "auto" selection (`select_keys` keeps its "auto": what it means
+        native handlers are usable there; Pallas stages that only run on CUDA ("auto",
+        "pallas") become "xla" elsewhere, and the scoring kernel ("auto", "pallas") "native".
+        The result holds no "auto" selection (`select_keys` keeps its "auto": what it means
         depends on the scoring, which `indexer_kernel.choose` picks per call)."""
         select = self.select if self.select != "auto" else ("native" if native_available else "xla")
         stages = {}
         if platform != "cuda":
-            stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas", "cuda")}
+            stages = {s: "xla" for s in PALLAS_STAGES if getattr(self, s) in ("auto", "pallas")}
             if self.select_scores in ("auto", "pallas"):
                 stages["select_scores"] = "native"
         return dataclasses.replace(self, select=select, **stages)

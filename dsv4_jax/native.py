@@ -21,9 +21,6 @@ target                      what it does
 ``dsv4_sparse_attention_``  CUDA only: CSA's sparse attention backward for bf16, 64 heads of
 ``backward``                512 (csrc/sparse_attention_backward.h; `sparse_attention_backward`
                             chooses it), command-buffer compatible
-``dsv4_project_few_rows``   CUDA only: 1-8 token rows against a bf16 weight, a decode step's
-                            projections (csrc/project_few_rows.h; `projection_kernel` chooses
-                            it), command-buffer compatible
 ==========================  ===============================================================
 
 On the CPU there are no command buffers; both names run the same C++ handler.
@@ -263,16 +260,6 @@ def sparse_attention_backward(q, dout, o, lse, delta_rotated, pool, window, entr
         scale=np.float32(scale), rotated=np.int64(rotated), stretches=np.int64(stretches))
 
 
-def project_few_rows(x, w, *, splits: int):
-    """out bf16 [M, G * N] = x [M, G * K] @ w [G, K, N] by group, float32 sums rounded once: the
-    CUDA handler for 1-8 token rows (contract in csrc/project_few_rows.h). bf16 operands; N a
-    multiple of 64; `splits` blocks share each column block's K (`projection_kernel.cuda_splits`).
-    CUDA only: the caller lowers it for CUDA alone (`jax.lax.platform_dependent`)."""
-    _register_all()
-    out_type = jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * w.shape[2]), jnp.bfloat16)
-    return jax.ffi.ffi_call("dsv4_project_few_rows", out_type)(x, w, splits=np.int64(splits))
-
-
 @functools.cache
 def finite_flag_slots(platform: str) -> np.ndarray | None:
     """The host slots `finite_flag` writes (uint64, one per device ordinal modulo their count),
@@ -285,6 +272,6 @@ def finite_flag_slots(platform: str) -> np.ndarray | None:
     return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
 
 
-__all__ = ["available", "finite_flag", "finite_flag_slots", "native_info", "platform_name", "project_few_rows",
-           "select_topk", "select_topk_fp4", "sparse_attention_backward", "topk", "topk_segments",
+__all__ = ["available", "finite_flag", "finite_flag_slots", "native_info", "platform_name", "select_topk",
+           "select_topk_fp4", "sparse_attention_backward", "topk", "topk_segments",
            "unavailable_reason"]

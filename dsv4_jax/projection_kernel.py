@@ -21,20 +21,13 @@ Numerics are XLA's GEMM's: operands in the layer's dtype, float32 accumulation, 
 only the order of the float32 sums may differ (`tests/test_projection_kernel.py`). The kernel
 differentiates as the XLA einsum (`backend.differentiated_as`).
 
-A second form of the same product runs as a native CUDA handler (`native.project_few_rows`,
-csrc/project_few_rows_cuda.cu) for 1-8 token rows in bf16: a weight stream of 64 output columns
-a block with 8 weight loads in flight a thread, K split over the blocks of a thread block cluster
-where the column blocks alone would leave the card idle (`cuda_splits`), summed in a fixed order.
-It also takes ``wq_b`` (the step routes it here only for "cuda": no Pallas kernel won there).
-
 Where it runs is the step's `KernelPlan` ``projections``: "auto" keeps XLA's products everywhere:
 inside a decode step the products' gain did not show (an H100, V4-Flash stacks of 4 at 16k, one
 machine: CSA B = 32 0.201 ms a layer with the kernel against 0.201 / 0.199 without, HCA B = 32
 0.131 against 0.134 / 0.137, within the processes' spread; B = 1 slower, HCA 0.123 against 0.115;
 bench/RESULTS.md "Decode toward the floor", session 61); "pallas" the kernel on CUDA for every
 call it takes (bf16 or fp16, at most `MAX_ROWS` token rows, K a power of two, N a multiple of
-16); "cuda" the CUDA handler for every call it takes (`takes_cuda`; the CUDA extension built);
-"interpret" the kernel in Pallas' interpret mode on any backend (tests); "xla" never.
+16); "interpret" the kernel in Pallas' interpret mode on any backend (tests); "xla" never.
 """
 
 from __future__ import annotations
@@ -47,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import native
 from .backend import Array, differentiated_as, einsum
 
 MAX_ROWS = 64  # token rows a call may have: beyond it the product is a GEMM's, not a weight stream
@@ -129,63 +121,18 @@ def takes(rows: int, w_shape: tuple[int, ...], dtype, *, interpret: bool) -> boo
     return interpret or jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-# The CUDA handler (csrc/project_few_rows_cuda.cu): its block's columns and K rows a step, the
-# x rows it stages (float32, 32 KiB), the largest cluster it forms, and the blocks to aim for (two
-# per SM of an H100 or H200: 8 loads in flight from each of 256 threads fill the memory pipe).
-CUDA_MAX_ROWS = 8
-CUDA_COLUMNS = 64
-CUDA_K_STEP = 256
-CUDA_STAGED_FLOATS = 8192
-CUDA_MAX_SPLITS = 8
-CUDA_TARGET_BLOCKS = 256
-
-
-def cuda_splits(rows: int, groups: int, k: int, n: int) -> int | None:
-    """The blocks S that share each 64-column block's K in the CUDA handler (a cluster of S):
-    the fewest, a power of two, giving `CUDA_TARGET_BLOCKS` blocks and staging at most
-    `CUDA_STAGED_FLOATS` floats of x (rows padded to a power of two); None where no S <= 8 fits
-    (N not a multiple of 64, K / S not a multiple of 256, too many rows)."""
-    if not 1 <= rows <= CUDA_MAX_ROWS or n % CUDA_COLUMNS or k % CUDA_K_STEP:
-        return None
-    padded = 1 << (rows - 1).bit_length()
-    blocks = groups * (n // CUDA_COLUMNS)
-    splits = 1
-    while splits < CUDA_MAX_SPLITS and (blocks * splits < CUDA_TARGET_BLOCKS
-                                        or padded * k // splits > CUDA_STAGED_FLOATS):
-        if k % (2 * splits * CUDA_K_STEP):
-            break
-        splits *= 2
-    return splits if padded * k // splits <= CUDA_STAGED_FLOATS else None
-
-
-def takes_cuda(rows: int, w_shape: tuple[int, ...], dtype) -> bool:
-    """Whether the CUDA handler takes `rows` token rows against a weight of `w_shape` ([K, N] or
-    [G, K, N]) in `dtype`: bf16, 1-8 rows, `cuda_splits`' shapes."""
-    groups, k, n = (1, *w_shape) if len(w_shape) == 2 else w_shape
-    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and cuda_splits(rows, groups, k, n) is not None
-
-
-def project_cuda(x: Array, w: Array) -> Array:
-    """x [M, G, K] @ w [G, K, N] -> [M, G, N] bf16 by the CUDA handler (`takes_cuda`'s calls)."""
-    rows, groups, k = x.shape
-    n = w.shape[2]
-    out = native.project_few_rows(x.reshape(rows, groups * k), w, splits=cuda_splits(rows, groups, k, n))
-    return out.reshape(rows, groups, n)
-
-
-# The projections' einsum forms: a token's features against a weight, optionally per group
-# ("bsl,lk->bsk" is wq_b's, which only the CUDA handler takes).
-_FORMS = {"bsh,hn->bsn": False, "bsr,rh->bsh": False, "bsl,lk->bsk": False, "bsgi,gir->bsgr": True}
+# The projections' einsum forms: a token's features against a weight, optionally per group.
+_FORMS = {"bsh,hn->bsn": False, "bsr,rh->bsh": False, "bsgi,gir->bsgr": True}
 
 
 def projection(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None, kernel: str = "xla") -> Array:
     """`backend.einsum(subscripts, a, b)` of a weight projection, by this kernel where `kernel`
     (the step plan's ``projections``) asks for it and the call is one it `takes`.
 
-    subscripts: "bsh,hn->bsn" / "bsr,rh->bsh" / "bsl,lk->bsk" (a [B, S, K] @ b [K, N] -> [B, S, N])
-    or the grouped "bsgi,gir->bsgr" (a [B, S, G, K] @ b [G, K, N] -> [B, S, G, N]). kernel: "auto"
-    or "xla" XLA's product, "pallas" the kernel on CUDA, "cuda" the CUDA handler, "interpret" the
-    kernel in interpret mode (see the module doc). The kernels' gradient is the XLA product's."""
+    subscripts: "bsh,hn->bsn" / "bsr,rh->bsh" (a [B, S, K] @ b [K, N] -> [B, S, N]) or the grouped
+    "bsgi,gir->bsgr" (a [B, S, G, K] @ b [G, K, N] -> [B, S, G, N]). kernel: "auto" or "xla" XLA's
+    product, "pallas" the kernel on CUDA, "interpret" the kernel in interpret mode (see the module
+    doc). The kernel's gradient is the XLA product's."""
     reference = functools.partial(einsum, subscripts, out_dtype=out_dtype, precision=precision)
     if kernel in ("auto", "xla") or isinstance(a, np.ndarray):
         return reference(a, b)
@@ -193,20 +140,14 @@ def projection(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None
     interpret = kernel == "interpret"
     rows = math.prod(a.shape[:2])
     a, b = a.astype(out_dtype), b.astype(out_dtype)
-    if kernel == "cuda":
-        usable = takes_cuda(rows, b.shape, out_dtype) and native.available("cuda")
-        product = project_cuda
-    else:
+    if not takes(rows, b.shape, out_dtype, interpret=interpret) or (
+            not interpret and jax.default_backend() != "gpu"):
         # Pallas lowers Triton kernels only where a GPU is the default backend.
-        usable = takes(rows, b.shape, out_dtype, interpret=interpret) and (
-            interpret or jax.default_backend() == "gpu")
-        product = functools.partial(project, interpret=interpret)
-    if not usable:
         return reference(a, b)
 
     def run(a, b):
         x = a.reshape(rows, *(a.shape[2:] if grouped else (1, a.shape[2])))
-        out = product(x, b if grouped else b[None])
+        out = project(x, b if grouped else b[None], interpret=interpret)
         return out.reshape(*a.shape[:2], *(out.shape[1:] if grouped else out.shape[2:]))
 
     if not interpret:  # chosen when the program is lowered for its platform, as the other kernels are

@@ -251,11 +251,7 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     nothing reads."""
     cfg, dtype = spec.cfg, spec.dtype
     freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
-    # wq_b by a kernel only where the plan names the CUDA handler: no Pallas kernel beat XLA's
-    # GEMM there (bench/RESULTS.md "Decode toward the floor", session 59).
-    kernel = spec.plan.kernels.projections
-    q = projection("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision,
-                   kernel=kernel if kernel == "cuda" else "xla")
+    q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
     # The per-head norm and RoPE: one kernel each way where the plan says (`head_norm_kernel`).
     q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm, rotation=(positions, freqs, scale))

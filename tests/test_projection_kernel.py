@@ -1,23 +1,18 @@
-"""The projections' kernels (`projection_kernel`) against XLA's product, their twin.
+"""The projections' kernel (`projection_kernel`) against XLA's product, its twin.
 
-The float32 cases run the Pallas kernel in interpret mode (the same kernel body, executed by
+The float32 cases run the kernel in Pallas' interpret mode (the same kernel body, executed by
 XLA; the Triton kernel takes bf16 and fp16 only) and agree with XLA's float32 product within
 rounding. The bf16 case runs the Triton kernel itself on CUDA (interpret mode elsewhere): the
-exact product rounded once (float32 accumulation), as a GEMM's is. The CUDA handler for 1-8
-rows (`native.project_few_rows`) has no interpret mode: on the CPU its plan is XLA's product
-(bit for bit), its rule for K splits is checked here, and on a GPU it is gated at V4-Flash
-sizes and inside a layer's decode.
+exact product rounded once (float32 accumulation), as a GEMM's is.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLASH_HEADS_CFG, prefill_then_decode, random_layer
+from helpers import prefill_then_decode, random_layer
 
 import dsv4_jax
 from dsv4_jax import KernelPlan, projection_kernel
@@ -25,7 +20,6 @@ from dsv4_jax.backend import einsum
 
 ON_GPU = jax.default_backend() == "gpu"
 KERNEL = "pallas" if ON_GPU else "interpret"
-HAS_CUDA_HANDLER = ON_GPU and dsv4_jax.native.available("cuda")
 
 # (subscripts, a's shape without the rows, b's shape): the step's three forms at tiny sizes
 FORMS = {
@@ -67,49 +61,24 @@ def test_the_kernel_rounds_the_bf16_product_once(form):
     np.testing.assert_allclose(np.asarray(got, np.float64), exact, rtol=2 ** -8, atol=1e-6)
 
 
-FLASH_FORMS = {  # V4-Flash's projections: (subscripts, a's shape without the rows, b's shape)
-    "input": ("bsh,hn->bsn", (4096,), (4096, 4160)),  # CSA's fused input projections
-    "wq_b": ("bsl,lk->bsk", (1024,), (1024, 32768)),
-    "wo_a": ("bsgi,gir->bsgr", (8, 4096), (8, 4096, 1024)),
-    "wo_b": ("bsr,rh->bsh", (8192,), (8192, 4096)),
-}
-
-
-def flash_product(form: str, rows: int, kernel: str):
-    """(the kernel's bf16 product, XLA's, the exact product in float32) of a V4-Flash projection."""
-    subscripts, a_tail, b_shape = FLASH_FORMS[form]
+@pytest.mark.skipif(not ON_GPU, reason="the Triton kernel at V4-Flash sizes (the CPU runs the same code at tiny sizes)")
+@pytest.mark.parametrize("rows", [8, 32])
+@pytest.mark.parametrize("subscripts, a_tail, b_shape", [
+    ("bsh,hn->bsn", (4096,), (4096, 4160)),  # CSA's fused input projections
+    ("bsgi,gir->bsgr", (8, 4096), (8, 4096, 1024)),  # wo_a
+    ("bsr,rh->bsh", (8192,), (8192, 4096)),  # wo_b
+], ids=["input", "wo_a", "wo_b"])
+def test_the_triton_kernel_rounds_the_bf16_product_once_at_flash_sizes(subscripts, a_tail, b_shape, rows):
     rng = np.random.default_rng(3)
     a = jnp.asarray(rng.normal(size=(rows, 1, *a_tail)), jnp.bfloat16)
     b = jnp.asarray(rng.normal(size=b_shape) / np.sqrt(a_tail[-1]), jnp.bfloat16)
     exact = jnp.einsum(subscripts, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     got = jax.jit(lambda a, b: projection_kernel.projection(subscripts, a, b, out_dtype=jnp.bfloat16,
-                                                            kernel=kernel))(a, b)
+                                                            kernel="pallas"))(a, b)
     xla = einsum(subscripts, a, b, out_dtype=jnp.bfloat16)
     err = [float(jnp.max(jnp.abs(v.astype(jnp.float32) - exact))) for v in (got, xla)]
-    print(f"{form} ({kernel}) rows {rows}: max error kernel {err[0]:.2e}, XLA {err[1]:.2e}")
-    return got, xla, exact
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the Triton kernel at V4-Flash sizes (the CPU runs the same code at tiny sizes)")
-@pytest.mark.parametrize("rows", [8, 32])
-@pytest.mark.parametrize("form", ["input", "wo_a", "wo_b"])
-def test_the_triton_kernel_rounds_the_bf16_product_once_at_flash_sizes(form, rows):
-    got, _, exact = flash_product(form, rows, "pallas")
+    print(f"{subscripts} rows {rows}: max error kernel {err[0]:.2e}, XLA {err[1]:.2e}")
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exact), rtol=2 ** -8, atol=1e-3)
-
-
-@pytest.mark.skipif(not HAS_CUDA_HANDLER, reason="the CUDA handler needs a GPU and the built CUDA extension")
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("form", list(FLASH_FORMS))
-def test_the_cuda_handler_rounds_the_bf16_product_once_at_flash_sizes(form, rows):
-    """1-8 rows (3: padded to 4 inside), every V4-Flash projection (with and without K splits
-    over a cluster, `cuda_splits`): the exact product rounded once, as XLA's; the same bits on a
-    second call (fixed order of sums)."""
-    got, xla, exact = flash_product(form, rows, "cuda")
-    assert got.shape == xla.shape and got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exact), rtol=2 ** -8, atol=1e-3)
-    again, _, _ = flash_product(form, rows, "cuda")
-    np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(got, np.float32))
 
 
 @pytest.mark.parametrize("form", ["input", "wo_a"])
@@ -143,23 +112,6 @@ def test_blocks_and_the_shapes_it_takes():
         projection_kernel.project(jnp.zeros((65, 1, 64)), jnp.zeros((1, 64, 16)), interpret=True)
 
 
-def test_the_cuda_handler_splits_k_over_a_cluster_where_the_card_needs_it():
-    """`cuda_splits`: 64-column blocks; K shared by the fewest blocks (a power of two <= 8) that
-    give 256 blocks and stage <= 8192 floats of x (rows padded to a power of two); None where
-    nothing fits. V4-Flash's projections at 1 and 8 rows."""
-    splits = projection_kernel.cuda_splits
-    assert splits(1, 1, 1024, 32768) == 1 and splits(8, 1, 1024, 32768) == 1  # wq_b: 512 column blocks
-    assert splits(1, 1, 8192, 4096) == 4 and splits(8, 1, 8192, 4096) == 8  # wo_b: 64 column blocks
-    assert splits(1, 8, 4096, 1024) == 2 and splits(8, 8, 4096, 1024) == 4  # wo_a: 8 groups of 16
-    assert splits(1, 1, 4096, 4160) == 4 and splits(5, 1, 4096, 4160) == 4  # fused input projections
-    assert splits(9, 1, 1024, 1024) is None  # more than 8 rows
-    assert splits(1, 1, 1024, 1000) is None and splits(1, 1, 1000, 1024) is None
-    assert splits(8, 1, 65536, 64) is None  # 8 splits still stage 65,536 floats
-    assert projection_kernel.takes_cuda(1, (1024, 32768), jnp.bfloat16)
-    assert not projection_kernel.takes_cuda(1, (1024, 32768), jnp.float32)
-    assert not projection_kernel.takes_cuda(16, (8, 4096, 1024), jnp.bfloat16)
-
-
 def test_a_call_it_does_not_take_is_xlas(monkeypatch):
     """More rows than `MAX_ROWS` (a prefill): the kernel is not traced, the product is XLA's."""
     traced = []
@@ -175,12 +127,8 @@ def test_the_plan_names_the_stage():
     assert KernelPlan.named("interpret").projections == "interpret"
     assert KernelPlan(projections="pallas").resolve("cpu", False).projections == "xla"
     assert KernelPlan(projections="pallas").resolve("cuda", False).projections == "pallas"
-    assert KernelPlan(projections="cuda").resolve("cpu", False).projections == "xla"
-    assert KernelPlan(projections="cuda").resolve("cuda", False).projections == "cuda"
     with pytest.raises(ValueError, match=r"kernels\.projections"):
         KernelPlan(projections="triton")
-    with pytest.raises(ValueError, match=r"kernels\.decode_attention"):
-        KernelPlan(decode_attention="cuda")  # the CUDA handler is the projections' alone
 
 
 @pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
@@ -203,47 +151,3 @@ def test_a_layer_decoding_through_the_kernel_equals_the_layer_without(layer, mon
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     for g, w in zip(got_cache, want_cache):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-5, atol=1e-6)
-
-
-# 64 heads of 512 (wq_b [256, 32768]) with every projection's K a multiple of 256 and N of 64:
-# each of them is a call the CUDA handler takes.
-CUDA_HANDLER_CFG = dataclasses.replace(FLASH_HEADS_CFG, q_lora_rank=256)
-
-
-def test_a_plan_naming_the_cuda_handler_is_xlas_products_where_it_cannot_run():
-    """On the CPU (no CUDA handler) `projections="cuda"` decodes bit for bit as XLA's products."""
-    cfg = CUDA_HANDLER_CFG
-    hidden = jnp.asarray(np.random.default_rng(5).normal(size=(2, 6, cfg.hidden_size)), jnp.float32)
-
-    def run(kernel):
-        attn = random_layer(cfg, 1, seed=5, break_mode="none", kernels=KernelPlan(projections=kernel))
-        return prefill_then_decode(attn, hidden, 4)
-
-    (want, want_cache), (got, got_cache) = run("xla"), run("cuda")
-    np.testing.assert_array_equal(got, want)
-    for g, w in zip(got_cache, want_cache):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
-@pytest.mark.skipif(not HAS_CUDA_HANDLER, reason="the CUDA handler needs a GPU and the built CUDA extension")
-@pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
-def test_a_layer_decoding_through_the_cuda_handler_matches_xlas_products(layer, monkeypatch):
-    """A bf16 layer with 64 heads of 512, a prefill then decode steps of a batch of 3 with
-    `projections="cuda"`: the handler takes wq_b and the output projections (and CSA's fused
-    input ones) of the decode steps, not the prefill's 3 x 8 rows, and the outputs agree with XLA's
-    products within bf16's rounding (the same math, float32 sums in another order)."""
-    rows, project = [], projection_kernel.project_cuda
-    monkeypatch.setattr(projection_kernel, "project_cuda", lambda x, w: rows.append(len(x)) or project(x, w))
-    cfg = CUDA_HANDLER_CFG
-    hidden = jnp.asarray(np.random.default_rng(layer).normal(size=(3, 12, cfg.hidden_size)), jnp.bfloat16)
-
-    def run(kernel):
-        attn = random_layer(cfg, layer, seed=layer, break_mode="none", kernels=KernelPlan(projections=kernel),
-                            dtype=jnp.bfloat16)
-        return prefill_then_decode(attn, hidden, 8)
-
-    (want, _), (got, _) = run("xla"), run("cuda")
-    # wq_b, wo_a, wo_b (this config's fused input projections, N = 3080, are not a multiple of 64)
-    assert rows and set(rows) == {3} and len(rows) >= 3
-    want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -6 * float(np.abs(want).max()))
