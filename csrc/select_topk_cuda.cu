@@ -660,6 +660,17 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
   auto load = [&](int64_t base, uint32_t(&keys)[kLoadBatch]) {
     if constexpr (kStaged) LoadKeyBatch(staged, base, stride, n, keys); else LoadKeyBatch(s, base, stride, n, keys);
   };
+  // A pass over the row: batches of kLoadBatch keys a thread, all loaded before any is used, then
+  // body(key, i) for each, i the entry's index (>= n past the row's end, where the key is
+  // padding: the trip count is uniform across the block, for the passes that vote or count).
+  auto each_entry = [&](auto&& load_batch, auto&& body) {
+    for (int64_t base = 0; base < n; base += batch_span) {
+      uint32_t keys[kLoadBatch];
+      load_batch(base, keys);
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) body(keys[j], base + j * stride + tid);
+    }
+  };
   if (tid == 0) slot_counter = 0;
   int n_cand = 0;
   bool sorted_fast = n == 0;  // nothing visible: only padding
@@ -669,21 +680,16 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
   if (n > 0) {
     // 1. Stage the row; its finite minimum and maximum keys.
     uint32_t key_min = 0xFFFFFFFFu, key_max = 0u;
-    for (int64_t base = 0; base < n; base += batch_span) {
-      uint32_t keys[kLoadBatch];
-      LoadKeyBatch(s, base, stride, n, keys);
-#pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        const int64_t i = base + j * stride + tid;
-        if (i < n) {
-          if constexpr (kStaged) staged[i] = keys[j];
-          if (keys[j] > kMinusInfKey && keys[j] < kPlusInfKey) {
-            key_min = min(key_min, keys[j]);
-            key_max = max(key_max, keys[j]);
-          }
+    auto load_row = [&](int64_t base, uint32_t(&keys)[kLoadBatch]) { LoadKeyBatch(s, base, stride, n, keys); };
+    each_entry(load_row, [&](uint32_t key, int64_t i) {
+      if (i < n) {
+        if constexpr (kStaged) staged[i] = key;
+        if (key > kMinusInfKey && key < kPlusInfKey) {
+          key_min = min(key_min, key);
+          key_max = max(key_max, key);
         }
       }
-    }
+    });
     key_min = __reduce_min_sync(kFullMask, key_min);
     key_max = __reduce_max_sync(kFullMask, key_max);
     if (lane == 0) {
@@ -701,14 +707,9 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
     if (!(inv > 0.0f) || isinf(inv)) inv = 0.0f;  // no spread, an infinite range or a subnormal one
 
     // 2. Histogram; the bin holding the K-th largest entry (thread t owns bins kBins-1-4t ...).
-    for (int64_t base = 0; base < n; base += batch_span) {
-      uint32_t keys[kLoadBatch];
-      load(base, keys);
-#pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        if (base + j * stride + tid < n) atomicAdd(&hist[LinearBin(keys[j], key_min, key_max, lo, inv)], 1u);
-      }
-    }
+    each_entry(load, [&](uint32_t key, int64_t i) {
+      if (i < n) atomicAdd(&hist[LinearBin(key, key_min, key_max, lo, inv)], 1u);
+    });
     __syncthreads();
     constexpr int kBinsPerThread = kBins / kTopkThreads;
     uint32_t local[kBinsPerThread], sum = 0;
@@ -741,18 +742,12 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
 
     // 3a. Placement: every gathered entry to its bin's range, then to its place in the range.
     if (n_cand <= capacity && fullest <= kRankMaxBin) {  // uniform across the block
-      for (int64_t base = 0; base < n; base += batch_span) {
-        uint32_t keys[kLoadBatch];
-        load(base, keys);
-#pragma unroll
-        for (int j = 0; j < kLoadBatch; ++j) {
-          const int64_t i = base + j * stride + tid;
-          if (i < n) {
-            const uint32_t bin = LinearBin(keys[j], key_min, key_max, lo, inv);
-            if (bin >= threshold_bin) cand[atomicAdd(&bin_next[bin], 1u)] = Composite(keys[j], i);
-          }
+      each_entry(load, [&](uint32_t key, int64_t i) {
+        if (i < n) {
+          const uint32_t bin = LinearBin(key, key_min, key_max, lo, inv);
+          if (bin >= threshold_bin) cand[atomicAdd(&bin_next[bin], 1u)] = Composite(key, i);
         }
-      }
+      });
       __syncthreads();  // bin_next[b] is now the end of bin b's range
       for (int i = tid; i < n_cand; i += blockDim.x) {
         const uint64_t c = cand[i];
@@ -768,16 +763,10 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
 
     // 3b. Gather the chosen bin and everything above it for the sort, when that fits.
     if (n_cand <= capacity) {  // uniform across the block
-      for (int64_t base = 0; base < n; base += batch_span) {
-        uint32_t keys[kLoadBatch];
-        load(base, keys);
-#pragma unroll
-        for (int j = 0; j < kLoadBatch; ++j) {
-          const int64_t i = base + j * stride + tid;
-          const bool take = i < n && LinearBin(keys[j], key_min, key_max, lo, inv) >= threshold_bin;
-          AppendCandidate(take, Composite(keys[j], i), cand, &slot_counter);
-        }
-      }
+      each_entry(load, [&](uint32_t key, int64_t i) {
+        const bool take = i < n && LinearBin(key, key_min, key_max, lo, inv) >= threshold_bin;
+        AppendCandidate(take, Composite(key, i), cand, &slot_counter);
+      });
       sorted_fast = true;
     }
   }
@@ -789,17 +778,11 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += stride) hist[i] = 0;
       __syncthreads();
-      for (int64_t base = 0; base < n; base += batch_span) {  // uniform trip count: all lanes vote
-        uint32_t keys[kLoadBatch];
-        load(base, keys);
-#pragma unroll
-        for (int j = 0; j < kLoadBatch; ++j) {
-          const int64_t i = base + j * stride + tid;
-          const uint32_t bin = (i < n && (keys[j] & mask) == prefix) ? (keys[j] >> shift) & 255u : 256u;
-          const uint32_t peers = __match_any_sync(kFullMask, bin);
-          if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<uint32_t>(__popc(peers)));
-        }
-      }
+      each_entry(load, [&](uint32_t key, int64_t i) {  // every lane votes
+        const uint32_t bin = (i < n && (key & mask) == prefix) ? (key >> shift) & 255u : 256u;
+        const uint32_t peers = __match_any_sync(kFullMask, bin);
+        if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<uint32_t>(__popc(peers)));
+      });
       __syncthreads();
       if (tid < 32) {  // warp 0: lane l owns bins 255-8l .. 248-8l, highest first
         uint32_t local[8], sum = 0;
@@ -838,23 +821,17 @@ __global__ void __launch_bounds__(kTopkThreads, 1) TopkKernel(const TopkArgs a) 
     const bool all_equal_in = equal_count == need;
     const uint32_t n_above = static_cast<uint32_t>(top_k) - need;
     uint32_t eq_seen = 0;
-    for (int64_t base = 0; base < n; base += batch_span) {
-      uint32_t keys[kLoadBatch];
-      load(base, keys);
-#pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        const int64_t i = base + j * stride + tid;
-        const bool valid = i < n;
-        AppendCandidate(valid && (keys[j] > prefix || (all_equal_in && keys[j] == prefix)), Composite(keys[j], i),
-                        cand, &slot_counter);
-        if (!all_equal_in) {  // uniform across the block
-          uint32_t eq_total;
-          const uint32_t rank = BlockExclusiveCount(valid && keys[j] == prefix, warp_counts, &eq_total);
-          if (valid && keys[j] == prefix && eq_seen + rank < need) cand[n_above + eq_seen + rank] = Composite(keys[j], i);
-          eq_seen += eq_total;
-        }
+    each_entry(load, [&](uint32_t key, int64_t i) {
+      const bool valid = i < n;
+      AppendCandidate(valid && (key > prefix || (all_equal_in && key == prefix)), Composite(key, i), cand,
+                      &slot_counter);
+      if (!all_equal_in) {  // uniform across the block
+        uint32_t eq_total;
+        const uint32_t rank = BlockExclusiveCount(valid && key == prefix, warp_counts, &eq_total);
+        if (valid && key == prefix && eq_seen + rank < need) cand[n_above + eq_seen + rank] = Composite(key, i);
+        eq_seen += eq_total;
       }
-    }
+    });
     n_cand = top_k;
   }
 
