@@ -311,7 +311,11 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     # trains the indexer only (its picks pass no gradient back to q_residual anyway).
     q_in = inputs.q_residual
     if not isinstance(q_in, np.ndarray):  # the wide break's host twin runs on NumPy arrays
-        q_in = jax.lax.stop_gradient(q_in)
+        # XLA's dot merger joins GEMMs of one input: the indexer's query projection would become
+        # part of wq_b's (one [Lq, H*D + nI*c] product) and the scoring and top-k would wait for
+        # all of it. Kept apart they run beside wq_b in the concurrent graph (`overlap`); apart
+        # with the overlap off too, so that both settings run the same products, bit for bit.
+        q_in = jax.lax.optimization_barrier(jax.lax.stop_gradient(q_in))
     with jax.named_scope("indexer_queries"):
         queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
                                 n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
