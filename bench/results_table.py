@@ -156,13 +156,12 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "h200_call_overhead_2026-12-05_s50.json",
      "python3 bench/stack.py --call-overhead-only --call-overhead-size flash --steps 200 --repeats 5",
      H200, "d97e074", stack),
-    ("Decode stacks of 4 on the same buffers, B = 1, 8, 32 at 2k-64k (session 51's defaults)",
-     "h200_decode_grid_2026-12-05_s51_1.json",
-     "python3 bench/stack.py --size flash --scenarios stack_decode --stacks csa,hca --batches 1,8,32 "
+    ("Decode stacks of 4 on the same buffers, B = 1, 8, 32 at 2k-64k (session 68's defaults)",
+     "h200_decode_grid_2026-12-06_s68.json",
+     "python3 bench/stack.py --size flash --scenarios stack_decode --stacks csa|hca --batches 1,8,32 "
      "--contexts 2048,16384,65536 --same-buffers all",
-     H200 + "; HCA 64k at B = 1 and 8 measured 1.9-2.0x in two later processes of the lease "
-     "(`h200_decode_grid_hca_2026-12-05_s51_2.json`, `h200_decode_hca_32k_64k_2026-12-05_s51_3.json`)",
-     "025e7dc", stack),
+     H200 + "; CSA and HCA in two processes back to back (merged record)",
+     "d7540b7", stack),
     ("The mixed stack's decode with the usual steps (new positions, new output each step)",
      "h200_stack_grid_mixed_fresh_2026-12-02.json",
      "python3 bench/stack.py --size flash --stacks mixed --scenarios stack_decode",
