@@ -38,8 +38,8 @@ device of each batch shard and its result reaches the shard's ``"model"`` replic
 
 Gradients: the picks are integers; the break's inputs are cut from differentiation
 (`lax.stop_gradient`), so a loss differentiates alike in ``none`` and ``narrow``. The wide
-break computes differentiable stages on the host, so differentiating it raises a `ValueError`
-that names ``break_mode`` and the modes that differentiate.
+break computes differentiable stages on the host: its backward is the VJP of the same stages
+traced in the graph (`wide_host_call`), so it differentiates as ``none`` does, in reverse mode.
 
 Errors on the host: an exception raised by the NumPy side is re-raised there as
 `HostBreakError` naming the stage and the break mode, and JAX hands it to the caller as a
@@ -266,31 +266,40 @@ def host_call(fn: Callable[..., Any], *args):
 
 
 def wide_host_call(fn: Callable[..., Any], *args):
-    """`host_call` for the wide break, whose host stages carry gradients that a callback
-    cannot give: differentiating it raises a clear error instead of JAX's generic one.
+    """`host_call` for the wide break, differentiable in reverse mode by its in-graph twin.
 
-    `fn` is ``partial(run_stages, spec=spec, ...)`` and `args` are ``(inputs, cache, positions,
-    stage weights)``; on a mesh (``spec.plan.layout``) the callback runs once per batch shard
-    with the weights whole (`sharding.run_per_shard`), and its new state keeps the cache's
-    batch sharding.
+    `fn` is ``partial(run_stages, spec=spec, select=indexer.select_topk)`` and `args` are
+    ``(inputs, cache, positions, stage weights)``; on a mesh (``spec.plan.layout``) the callback
+    runs once per batch shard with the weights whole (`sharding.run_per_shard`), and its new
+    state keeps the cache's batch sharding.
+
+    The host stages carry gradients (wq_b, the compressors' pooling, the cache inserts) that a
+    callback cannot give. Every break mode computes the same values (the project's contract,
+    tests/test_attention.py), so the backward is the VJP of `fn` traced in the graph on the
+    same inputs: `fn` runs again there, once, under the pullback (what `jax.checkpoint` would
+    recompute), and the gradients are break_mode="none"'s with the XLA selection. Reverse mode
+    only (a `jax.custom_vjp`, as the kernels are).
     """
     spec = getattr(fn, "keywords", {}).get("spec")
     layout = getattr(getattr(spec, "plan", None), "layout", None)
 
-    @jax.custom_jvp
-    def call(*xs):
+    def on_host(*xs):
         if layout is None:
             return host_call(fn, *xs)
         return sharding.run_per_shard(functools.partial(host_call, fn), layout, xs[:-1], xs[-1:], once=True)
 
-    @call.defjvp
-    def refuse(primals, tangents):
-        raise ValueError(
-            "break_mode: 'wide' cannot be differentiated (wq_b_kv_insert, the compressors and the "
-            "indexer run in NumPy on the host, which gives no gradients); use break_mode='none' or "
-            "'narrow' (both give the same gradients)"
-        )
+    @jax.custom_vjp
+    def call(*xs):
+        return on_host(*xs)
 
+    def forward(*xs):
+        return on_host(*xs), xs
+
+    def backward(xs, cotangents):
+        _, pullback = jax.vjp(fn, *xs)
+        return pullback(cotangents)
+
+    call.defvjp(forward, backward)
     return call(*args)
 
 

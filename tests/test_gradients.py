@@ -5,9 +5,9 @@ have no differentiation rule of their own; `backend.differentiated_as` gives eac
 its XLA twin. On the CPU they run in interpret mode (``kernels="interpret"``), the same kernel
 bodies the GPU runs. The loss spans a prefill and a decode step on the cache it left (whose
 token completes a compressor window), so the gradient also flows through the cache. Checked:
-with respect to the parameters and the hidden states, every layer type, every break mode that
-differentiates (``none``, ``narrow`` on the host and on the device), equal to the XLA
-reference's gradient; the wide break refuses with a `ValueError` naming ``break_mode``.
+with respect to the parameters and the hidden states, every layer type, every break mode
+(``none``, ``narrow`` on the host and on the device, ``wide``), equal to the XLA reference's
+gradient.
 """
 
 from __future__ import annotations
@@ -93,14 +93,16 @@ def test_every_kernel_differentiates_as_its_reference(layer, monkeypatch):
 
 @pytest.mark.parametrize("mode", [
     dict(break_mode="narrow", break_on="host"),
+    dict(break_mode="wide"),
     pytest.param(dict(break_mode="narrow", break_on="device"),
                  marks=pytest.mark.skipif(not NATIVE_BUILT, reason="the native handlers are not built")),
     pytest.param(dict(break_mode="none", kernels="native"),
                  marks=pytest.mark.skipif(not NATIVE_BUILT, reason="the native handlers are not built")),
-], ids=["narrow-host", "narrow-device", "none-native"])
+], ids=["narrow-host", "wide", "narrow-device", "none-native"])
 def test_every_break_mode_gives_the_reference_gradient(mode):
     """The picks are integers and the break's inputs are cut from differentiation, so a host
-    or device break changes nothing in the gradient (the kernels' own gradients: above): every
+    or device break changes nothing in the gradient (the kernels' own gradients: above); the
+    wide break's host stages differentiate as their in-graph twin (`breaks.wide_host_call`): every
     leaf elementwise as `assert_same_gradients` says, and within the project's float32 bound
     (relative Frobenius 2e-5; test_native's check of the device break's gradients, merged here)."""
     got, want = loss_and_grads("csa", **mode), reference("csa")
@@ -109,9 +111,20 @@ def test_every_break_mode_gives_the_reference_gradient(mode):
         assert rel_err(g, w) < 2e-5, f"{jax.tree_util.keystr(path)}: {rel_err(g, w):.2e}"
 
 
-def test_the_wide_break_refuses_to_differentiate():
-    with pytest.raises(ValueError, match=r"break_mode: 'wide' cannot be differentiated.*'none' or 'narrow'"):
-        loss_and_grads("csa", break_mode="wide")
+@pytest.mark.parametrize("layer", ["sliding", "hca"])
+def test_the_wide_break_differentiates_every_layer_type(layer):
+    """The wide break runs every layer type's stages on the host (CSA: above): the gradient is
+    the XLA reference's for the window-only and the HCA layer too."""
+    assert_same_gradients(loss_and_grads(layer, break_mode="wide"), reference(layer))
+
+
+def test_the_wide_break_refuses_forward_mode():
+    """Reverse mode only, as through the kernels: JAX refuses a jvp of the host stages."""
+    attn = random_layer(CFG, LAYERS["csa"], seed=4, break_mode="wide")
+    x = jnp.ones((1, 9, CFG.hidden_size), jnp.float32)
+    cache, spec = attn.init_cache(1, 16), attn.step_spec()
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda x: attention_step(attn.weights(), cache, x, None, spec)[0], (x,), (x,))
 
 
 def test_nnx_grad_through_the_module_call():

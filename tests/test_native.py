@@ -312,18 +312,8 @@ def test_select_topk_under_vmap_and_grad():
 
 
 # ---------------------------------------------------------------------------- the layer
-# The device (and host) break's gradients equal the XLA reference's (a prefill and a decode step
-# through the cache, every leaf): test_gradients.test_every_break_mode_gives_the_reference_gradient.
-
-
-def test_wide_break_refuses_differentiation():
-    cfg = dsv4_jax.DeepseekV4Config.tiny()
-    attn = random_layer(cfg, 2, seed=3, break_mode="wide")
-    x = jnp.ones((1, 9, cfg.hidden_size), jnp.float32)
-    pos = jnp.arange(9, dtype=jnp.int32)[None]
-    spec, cache = attn.step_spec(), attn.init_cache(1, 9)
-    with pytest.raises(ValueError, match=r"break_mode: 'wide' cannot be differentiated.*'none' or 'narrow'"):
-        jax.grad(lambda w: jnp.sum(dsv4_jax.attention_step(w, cache, x, pos, spec)[0]))(attn.weights())
+# The device, host and wide breaks' gradients equal the XLA reference's (a prefill and a decode
+# step through the cache, every leaf): test_gradients.test_every_break_mode_gives_the_reference_gradient.
 
 
 @needs_native

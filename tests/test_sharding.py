@@ -10,11 +10,12 @@ helpers.JOBS). Run directly on 8 devices, the tests run as themselves:
 
 Checked: every mode (none with XLA or native selection, narrow on host and device, wide) x
 layer type under a data mesh (8 x 1) and a data x model mesh (4 x 2) equals one device within
-1e-5 with identical picks; outputs, cache leaves and parameters keep their shardings; a host
-break runs once per batch shard on that shard's rows (not once on the gathered batch, not on
-every model replica); the device break is a custom call on per-shard shapes inside a manual
-(shard_map) region; XLA reports no involuntary full rematerialization; under `nnx.jit` /
-`jax.jit`, from ``jax.set_mesh`` and from a sharded cache; the error paths.
+1e-5 with identical picks, and so do the wide break's gradients; outputs, cache leaves and
+parameters keep their shardings; a host break runs once per batch shard on that shard's rows
+(not once on the gathered batch, not on every model replica); the device break is a custom
+call on per-shard shapes inside a manual (shard_map) region; XLA reports no involuntary full
+rematerialization; under `nnx.jit` / `jax.jit`, from ``jax.set_mesh`` and from a sharded cache;
+the error paths.
 """
 
 from __future__ import annotations
@@ -303,6 +304,22 @@ def test_cache_writes_stay_on_their_batch_shard(layer_type):
     collectives = [ln.strip()[:120] for ln in compiled.splitlines()
                    if any(op in ln for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"))]
     assert not collectives, collectives[:5]
+
+
+@needs_8
+def test_the_wide_break_differentiates_on_a_mesh():
+    """The wide break's backward (the VJP of its stages traced in the graph) on a mesh, its
+    callback run per batch shard: the one-device gradient of break_mode="none"."""
+    x, pos = (jnp.asarray(a) for a in _inputs())
+
+    def grads(attn):
+        cache = attn.init_cache(BATCH, MAX_LEN)
+        return nnx.grad(lambda layer: jnp.mean(layer(x, pos, cache)[0].astype(jnp.float32) ** 2))(attn)
+
+    want = grads(_layer(CSA, "none"))
+    got = grads(_layer(CSA, "wide", mesh=_mesh("data_model")))
+    assert len(jax.tree.leaves(got)) == len(jax.tree.leaves(want)) > 0
+    _assert_close_trees(got, want, "gradients")
 
 
 # ---------------------------------------------------------------------------- how the mesh arrives
