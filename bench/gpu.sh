@@ -6,7 +6,8 @@
 #             reference at V4-Flash sizes, the gradients with the Triton kernels against the CPU's
 #             (GATES_K: pytest -k), then the golden replays (the official recording's too), the break
 #             modes' agreement and the FP8 caches' bit-exactness (GOLDEN=0: not)
-#   train     bench/train.py --size flash $TRAIN_ARGS -> $OUT/train$TRAIN_TAG.json
+#   train     bench/train.py --size flash $TRAIN_ARGS -> $OUT/train$TRAIN_TAG.json (with build/peer_wheels
+#             carried, MaxText's training mode beside ours: --peer maxtext where it imports)
 #   stack     bench/stack.py --size flash $STACK_ARGS -> $OUT/stack$STACK_TAG.json
 #   run       bench/run.py --size flash $RUN_ARGS -> $OUT/run$RUN_TAG.json
 #   topk      bench/topk.py $TOPK_ARGS: the selection alone, device time -> $OUT/topk$TOPK_TAG.json
@@ -64,8 +65,12 @@ gates() {
 }
 
 train() {
-  timeout "${TRAIN_TIMEOUT:-480}" python3 bench/train.py --size flash --json "$OUT/train${TRAIN_TAG:-}.json" \
-    ${TRAIN_ARGS:-} 2>&1 | tail -40
+  # With the peers' wheels carried (build/peer_wheels), MaxText's training mode runs beside ours
+  # (bench/train.py's --peer maxtext, its default where maxtext imports).
+  local site=""
+  [ -d "${PEER_WHEELS:-build/peer_wheels}" ] && site=$(install_peers)
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout "${TRAIN_TIMEOUT:-480}" python3 bench/train.py --size flash \
+    --json "$OUT/train${TRAIN_TAG:-}.json" ${TRAIN_ARGS:-} 2>&1 | tail -40
 }
 
 stack() {
@@ -98,17 +103,23 @@ sharded() {
   gzip -9 -c "$OUT/sharded_stderr.log" >"$OUT/sharded_stderr.log.gz" && rm -f "$OUT/sharded_stderr.log"
 }
 
-maxtext() {
+install_peers() {
   # The device has no internet: the peers' packages come as carried wheels, installed without
   # dependency resolution into a folder on PYTHONPATH (jax, flax and torch are the box's own).
+  # Prints that folder's absolute path; what pip said goes to $OUT/peer_install.log.
   local site=build/peer_site dir
   for dir in "${PEER_WHEELS:-build/peer_wheels}" "${HF_WHEELS:-build/hf_wheels}"; do
-    [ -d "$dir" ] || { echo "$dir: not carried"; continue; }
+    [ -d "$dir" ] || { echo "$dir: not carried" >&2; continue; }
     python3 -m pip install -q --upgrade --no-index --no-deps --target "$site" "$dir"/*.whl \
-      >>"$OUT/peer_install.log" 2>&1; echo "install $dir rc=$?"
+      >>"$OUT/peer_install.log" 2>&1; echo "install $dir rc=$?" >&2
   done
+  echo "$PWD/$site"
+}
+
+maxtext() {
+  local site; site=$(install_peers)
   local name="h200_flash_maxtext_${LAYERS:-csa_hca}"; name=${name/,/_}
-  PYTHONPATH="$PWD/$site${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 \
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 \
     timeout "${MAXTEXT_TIMEOUT:-500}" python3 bench/run.py --size flash --layers "${LAYERS:-csa,hca}" --modes none \
     --batches "${BATCHES:-1,8,32}" --peers hf-torch,maxtext-jax --hf-mem-gb 30 --no-cmdbuf --no-ceilings \
     --no-progress --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
