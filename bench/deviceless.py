@@ -4,6 +4,8 @@
     .venv-deviceless/bin/pip install -e . "jax-cuda13-plugin==$JAX" "jax-cuda13-pjrt==$JAX"  # $JAX: jax's version
     .venv-deviceless/bin/python bench/deviceless.py --scenario decode --stacks csa,hca --batches 1,32
     .venv-deviceless/bin/python bench/deviceless.py --scenario train --stacks csa --batches 1 --tokens 4096
+    # MaxText's training step (Python >= 3.12, the [peers] extra): its FLOP floor and memory on the H200
+    .venv312-deviceless/bin/python bench/deviceless.py --scenario train --peer maxtext --batches 4
 
 XLA compiles for a GPU it does not have from a description of it (``GpuTargetConfigProto``:
 `bench/targets/h200.txtpb`, from openxla/xla's specs) through the CUDA plugin's compile-only
@@ -190,6 +192,55 @@ def census(case: Case, target: str = "h200", keep_dump: str | None = None, autot
             "temp_mib": mem.temp_size_in_bytes / 2**20 if mem else None}
 
 
+def device_memory_bytes(target: str = "h200") -> float:
+    """The memory of `target`'s GPU: the description's ``device_memory_size``, or the attached GPU's pool."""
+    if target == ATTACHED:
+        return float(target_device(target).memory_stats()["bytes_limit"])
+    with open(TARGETS[target]) as f:
+        sizes = [line.split(":")[1] for line in f if line.strip().startswith("device_memory_size:")]
+    return float(sizes[0])
+
+
+def maxtext_train(case: Case, target: str = "h200") -> dict:
+    """MaxText's training step beside the case's (bench/train.py's peer: one layer of each of the
+    stack's layer types, `peer_maxtext.train_floor`), compiled for `target` without the device: its
+    matrix FLOPs' floor and XLA's memory analysis, and whether it fits the GPU's memory. Where it
+    fits, ``maxtext_fwd_bwd_floor_ms`` is a time it cannot beat there (a mixed stack: the mean of its
+    layer types, as bench/train.py averages the peer's times); where it does not, it does not run.
+    Needs Python >= 3.12 with the ``[peers]`` extra and the CUDA plugin (docs/benchmarks.md)."""
+    from bench import peer_maxtext
+    from bench import train as train_mod
+
+    reason = peer_maxtext.available()
+    if reason:
+        raise RuntimeError(f"--peer maxtext: MaxText does not import here ({reason})")
+    device = target_device(target)
+    cfg = stack_mod.stack_config(case.size, case.layers)
+    stack = train_mod.TrainStack(cfg, case.stack, case.layers, jnp.bfloat16, 0, "none", "auto")
+    types = [a.layer_type for a in stack.layers]
+    per_type = [peer_maxtext.train_floor(cfg, case.size, lt, stack.layers[types.index(lt)], batch=case.batch,
+                                         seq=case.tokens, dtype="bfloat16", device=device)
+                for lt in dict.fromkeys(types)]
+    memory = device_memory_bytes(target)
+    need = max(r["fwd_bwd_gb"] for r in per_type)
+    return {"scenario": "deviceless_maxtext_train", "stack": case.stack, "layer_type": stack.layer_type,
+            "batch": case.batch, "tokens": case.tokens, "size": case.size, "target": target, "deviceless": True,
+            "jax": jax.__version__, "maxtext": peer_maxtext.versions().get("maxtext"), "per_layer_type": per_type,
+            "maxtext_fwd_floor_ms": sum(r["fwd_floor_ms"] for r in per_type) / len(per_type),
+            "maxtext_fwd_bwd_floor_ms": sum(r["fwd_bwd_floor_ms"] for r in per_type) / len(per_type),
+            "maxtext_fwd_bwd_gb": need, "device_memory_gb": memory / 1e9, "fits": need * 1e9 <= memory}
+
+
+def maxtext_markdown(rows: list[dict]) -> str:
+    lines = ["| case | MaxText fwd+bwd floor ms a layer | its fwd floor | XLA memory GB (fwd+bwd) | fits |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        memory = f"{r['maxtext_fwd_bwd_gb']:.1f} of {r['device_memory_gb']:.0f}"
+        lines.append(f"| train {r['layer_type']} B={r['batch']} {r['tokens']} | {r['maxtext_fwd_bwd_floor_ms']:.1f} | "
+                     f"{r['maxtext_fwd_floor_ms']:.1f} | {memory} | {'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     """Launches a layer (kernels, copies, custom calls): all, on the critical path (one after
     another however many run side by side), and by stage; the step's command buffers."""
@@ -240,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode attention's split merge by XLA (as bench/stack.py's)")
     ap.add_argument("--attention-backward", default=None, choices=BACKWARD_CHOICES,
                     help="train: the sparse attention's backward (KernelPlan.attention_backward; as bench/train.py's)")
+    ap.add_argument("--peer", default=None, choices=("maxtext",),
+                    help="train: MaxText's training step instead of ours, its FLOP floor and memory (maxtext_train)")
     ap.add_argument("--target", choices=[*sorted(TARGETS), ATTACHED], default="h200",
                     help="the GPU described in bench/targets/, or 'attached': this machine's own (no pretence)")
     ap.add_argument("--autotune", default=None, metavar="TEXTPROTO",
@@ -257,14 +310,19 @@ def main(argv=None) -> int:
     kernels = stack_mod.kernel_plan(args) if ab else "auto"
     if args.attention_backward:
         kernels = dataclasses.replace(as_kernel_plan(kernels), attention_backward=args.attention_backward)
+    if args.peer and args.scenario != "train":
+        raise SystemExit("--peer maxtext: the train scenario only")
     rows = []
     for kind in args.stacks.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for n in (int(t) for t in tokens.split(",")):
                 case = Case(args.scenario, kind, batch, n, args.layers, args.size, args.finite_flag, kernels)
-                rows.append(census(case, args.target, args.keep_dump, args.autotune))
-                print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-    print(markdown(rows))
+                if args.peer:
+                    rows.append(maxtext_train(case, args.target))
+                else:
+                    rows.append(census(case, args.target, args.keep_dump, args.autotune))
+                print((maxtext_markdown if args.peer else markdown)(rows[-1:]).splitlines()[-1], flush=True)
+    print((maxtext_markdown if args.peer else markdown)(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"records": rows, "meta": {"jax": jax.__version__, "target": args.target,

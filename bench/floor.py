@@ -11,6 +11,8 @@ matrix rate) for the H200; `bench/run.py` also measures both on the machine and 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from dsv4_jax.config import CSA, HCA
@@ -83,3 +85,35 @@ def floor(cfg, layer: str, batch: int, start: int, new_tokens: int, weight_bytes
     t_bytes, t_flops = nbytes / bytes_per_s, flops / flops_per_s
     return {"floor_ms": 1e3 * max(t_bytes, t_flops), "floor_bytes": nbytes, "floor_flops": flops,
             "floor_bound": "bytes" if t_bytes >= t_flops else "flops"}
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of a program's matrix products, 2 per multiply-add, read from its jaxpr (``jax.make_jaxpr(f)
+    (*args).jaxpr``): every ``dot_general``, in nested jaxprs too (``pjit``, ``custom_vjp``, ``remat``),
+    a ``scan``'s body times its length, a ``cond``'s largest branch. The count of the floor model's
+    kind for a program written in plain JAX (a peer's): divided by a matrix rate it is a time no run
+    of that program can beat. A ``while`` loop (its trip count is data) or a Pallas kernel (its body is
+    one block's) raises ValueError."""
+    from jax.extend import core
+
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
+        elif name == "scan":
+            total += eqn.params["length"] * matmul_flops(eqn.params["jaxpr"].jaxpr)
+        elif name == "cond":
+            total += max(matmul_flops(branch.jaxpr) for branch in eqn.params["branches"])
+        elif name in ("while", "pallas_call"):
+            raise ValueError(f"matmul_flops: a {name} in the program; its FLOPs cannot be read from the jaxpr")
+        else:
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, core.ClosedJaxpr):
+                        total += matmul_flops(sub.jaxpr)
+                    elif isinstance(sub, core.Jaxpr):
+                        total += matmul_flops(sub)
+    return total

@@ -130,10 +130,11 @@ def maxtext_config(cfg, size: str, *, batch: int, prefill_len: int, max_target: 
 class Program:
     """MaxText's layer for one (layer type, batch, prefill length, max target) with our weights,
     split into (params, cache, rest) and its prefill / decode steps compiled ahead of time.
-    ``train=True``: the layer in MaxText's training mode (no caches), for `compile_train`."""
+    ``train=True``: the layer in MaxText's training mode (no caches), for `compile_train`. `device`:
+    the one device of its mesh (default: JAX's first; a compile-only one for `train_floor`)."""
 
     def __init__(self, cfg, size: str, layer_type: str, ours_attn, *, batch: int, prefill_len: int, max_target: int,
-                 dtype: str, attention: str = "dot_product", train: bool = False):
+                 dtype: str, attention: str = "dot_product", train: bool = False, device=None):
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -149,7 +150,7 @@ class Program:
         mt = maxtext_config(cfg, size, batch=batch, prefill_len=prefill_len, max_target=max_target, dtype=dtype,
                             attention=attention)
         self.mt_config = mt
-        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        mesh = Mesh(np.array([device] if device is not None else jax.devices()[:1]), ("data",))
         shape = (batch, prefill_len, mt.emb_dim)
         layer = CompressedAttention(
             config=mt, num_query_heads=mt.num_query_heads, num_kv_heads=mt.num_kv_heads, head_dim=mt.head_dim,
@@ -216,14 +217,31 @@ class Program:
         jax, jnp = self.jax, self.jnp
         x = jax.ShapeDtypeStruct((self.batch, seq, self.mt_config.emb_dim), self.dtype)
         pos = jax.ShapeDtypeStruct((self.batch, seq), jnp.int32)
-        loss = self.train_loss()
         seconds = {}
-        for name, fn in (("fwd", loss), ("fwd_bwd", jax.value_and_grad(loss, argnums=(0, 1)))):
+        for name, fn in self.train_programs().items():
             t0 = time.perf_counter()
             self.compiled[name] = jax.jit(fn).lower(self.params, x, self.cache0, self.rest, pos).compile()
             seconds[name] = time.perf_counter() - t0
             self.memory[name] = memory_bytes(self.compiled[name])
         return seconds
+
+    def train_programs(self) -> dict:
+        """``{"fwd": loss, "fwd_bwd": value_and_grad(loss) w.r.t. the parameters and x}``."""
+        loss = self.train_loss()
+        return {"fwd": loss, "fwd_bwd": self.jax.value_and_grad(loss, argnums=(0, 1))}
+
+    def train_args(self, seq: int, device=None) -> tuple:
+        """Abstract arguments of the train programs for `seq` tokens a row, placed on `device` if given."""
+        jax, jnp = self.jax, self.jnp
+        sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+
+        def spec(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        params, cache, rest = (jax.tree.map(lambda a: spec(a.shape, a.dtype), t)
+                               for t in (self.params, self.cache0, self.rest))
+        return (params, spec((self.batch, seq, self.mt_config.emb_dim), self.dtype), cache, rest,
+                spec((self.batch, seq), jnp.int32))
 
     def train_call(self, name: str, x, pos):
         return self.compiled[name](self.params, x, self.cache0, self.rest, pos)
@@ -437,6 +455,34 @@ def time_train(cfg, size: str, layer_type: str, ours_attn, *, batch: int, seq: i
     except Exception as err:  # where MaxText stops is the record
         text = str(err).strip().splitlines()
         out["error"] = f"{type(err).__name__}: {text[0][:300] if text else ''}"
+    return out
+
+
+def train_floor(cfg, size: str, layer_type: str, ours_attn, *, batch: int, seq: int, dtype: str,
+                device=None) -> dict:
+    """MaxText's one-layer training step (`time_train`'s programs) measured without running it.
+
+    Its matrix products' FLOPs from the programs' jaxprs (`floor.matmul_flops`: ``fwd_flops``,
+    ``fwd_bwd_flops``) and what they take at the floor model's matrix rate (``fwd_floor_ms``,
+    ``fwd_bwd_floor_ms``; `floor.H200_FLOPS`): no run of the program on an H200 is faster, and its
+    dense ``[B, H, S, S + S/m]`` attention makes it compute-bound. With a `device` (a compile-only
+    one, `bench/deviceless.py`) also XLA's memory analysis of the programs compiled for it
+    (``fwd_gb``, ``fwd_bwd_gb``: arguments + outputs + temporaries), which is what decides whether
+    it fits (`time_train` refuses a program whose analysis exceeds the memory)."""
+    import jax
+
+    from bench import floor
+
+    prog = Program(cfg, size, layer_type, ours_attn, batch=batch, prefill_len=seq, max_target=seq + 1,
+                   dtype=dtype, train=True, device=device)
+    out = {"layer_type": layer_type}
+    for name, fn in prog.train_programs().items():
+        flops = floor.matmul_flops(jax.make_jaxpr(fn)(*prog.train_args(seq)).jaxpr)
+        out.update({f"{name}_flops": flops, f"{name}_floor_ms": 1e3 * flops / floor.H200_FLOPS})
+        if device is not None:
+            compiled = jax.jit(fn).trace(*prog.train_args(seq, device)).lower(lowering_platforms=("cuda",)).compile()
+            total = memory_bytes(compiled).get("total")
+            out[f"{name}_gb"] = None if total is None else total / 1e9
     return out
 
 

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 from test_maxtext_peer import needs_maxtext  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-from bench import measure, peer_maxtext, train  # noqa: E402
+from bench import floor, measure, peer_maxtext, train  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
 
@@ -138,3 +138,43 @@ def test_maxtexts_training_mode_computes_our_loss_and_input_gradient(layer_type)
     theirs, (_, theirs_x) = prog.train_call("fwd_bwd", x, positions)
     np.testing.assert_allclose(float(theirs), float(ours), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(theirs_x), np.asarray(ours_x), rtol=1e-4, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------- the peer's FLOP floor
+def test_matmul_flops_counts_every_matrix_product_of_a_program():
+    """`floor.matmul_flops`, the floor of a peer that cannot run (bench/deviceless.py --peer maxtext):
+    2 per multiply-add of every dot_general, a scan's body times its length, a cond's larger branch,
+    through jit and checkpoint; value_and_grad w.r.t. both operands of every product is 3x the
+    forward (two cotangent products each). A while loop's trip count is data: it raises."""
+
+    def f(w, x):
+        c, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=3)
+        c = jax.lax.cond(c.sum() > 0, lambda c: (c @ w) @ w, lambda c: c @ w, c)
+        return jnp.einsum("bi,bi->", c, x)
+
+    w, x = jnp.ones((8, 8)), jnp.ones((2, 8))
+    product = 2 * 2 * 8 * 8  # [2, 8] @ [8, 8]
+    forward = 3 * product + 2 * product + 2 * 2 * 8
+    assert floor.matmul_flops(jax.make_jaxpr(jax.jit(jax.checkpoint(f)))(w, x).jaxpr) == forward
+    assert floor.matmul_flops(jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1)))(w, x).jaxpr) == 3 * forward
+    looped = jax.make_jaxpr(lambda w: jax.lax.while_loop(lambda c: c.sum() < 9, lambda c: c @ w, w))(w)
+    with pytest.raises(ValueError, match="while"):
+        floor.matmul_flops(looped.jaxpr)
+
+
+@needs_maxtext
+@pytest.mark.parametrize("layer_type", [CSA, HCA])
+def test_maxtexts_training_floor_counts_its_dense_attention(layer_type):
+    """`peer_maxtext.train_floor`: its forward's matrix FLOPs hold at least the dense [B, H, S, S + S/m]
+    attention's QK and PV products (what keeps it from long sequences), the backward adds at most two
+    products per forward one, and the floor is the FLOPs at the floor model's rate."""
+    cfg = dsv4_jax.DeepseekV4Config.tiny()
+    attn = measure.build_layer(cfg, cfg.layer_types.index(layer_type), "float32", 0)
+    batch, length = 2, 64
+    got = peer_maxtext.train_floor(cfg, "tiny", layer_type, attn, batch=batch, seq=length, dtype="float32")
+    keys = length + length // cfg.compress_rate(layer_type)
+    dense_attention = 2 * 2 * batch * cfg.num_attention_heads * length * keys * cfg.head_dim
+    assert got["fwd_flops"] > dense_attention
+    assert 2 * got["fwd_flops"] < got["fwd_bwd_flops"] <= 3 * got["fwd_flops"]
+    assert got["fwd_bwd_floor_ms"] == pytest.approx(1e3 * got["fwd_bwd_flops"] / floor.H200_FLOPS)
+    assert "fwd_bwd_gb" not in got  # memory needs a compiled program: train_floor's `device`
