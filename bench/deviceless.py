@@ -312,17 +312,17 @@ def main(argv=None) -> int:
         kernels = dataclasses.replace(as_kernel_plan(kernels), attention_backward=args.attention_backward)
     if args.peer and args.scenario != "train":
         raise SystemExit("--peer maxtext: the train scenario only")
+    if args.peer:
+        row, table = (lambda case: maxtext_train(case, args.target)), maxtext_markdown
+    else:
+        row, table = (lambda case: census(case, args.target, args.keep_dump, args.autotune)), markdown
     rows = []
     for kind in args.stacks.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for n in (int(t) for t in tokens.split(",")):
-                case = Case(args.scenario, kind, batch, n, args.layers, args.size, args.finite_flag, kernels)
-                if args.peer:
-                    rows.append(maxtext_train(case, args.target))
-                else:
-                    rows.append(census(case, args.target, args.keep_dump, args.autotune))
-                print((maxtext_markdown if args.peer else markdown)(rows[-1:]).splitlines()[-1], flush=True)
-    print((maxtext_markdown if args.peer else markdown)(rows))
+                rows.append(row(Case(args.scenario, kind, batch, n, args.layers, args.size, args.finite_flag, kernels)))
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"records": rows, "meta": {"jax": jax.__version__, "target": args.target,

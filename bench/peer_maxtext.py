@@ -214,13 +214,10 @@ class Program:
     def compile_train(self, seq: int) -> dict:
         """Lower + compile ``fwd`` (the loss) and ``fwd_bwd`` (its value_and_grad w.r.t. the parameters
         and x) for `seq` tokens a row; returns the seconds each took."""
-        jax, jnp = self.jax, self.jnp
-        x = jax.ShapeDtypeStruct((self.batch, seq, self.mt_config.emb_dim), self.dtype)
-        pos = jax.ShapeDtypeStruct((self.batch, seq), jnp.int32)
         seconds = {}
         for name, fn in self.train_programs().items():
             t0 = time.perf_counter()
-            self.compiled[name] = jax.jit(fn).lower(self.params, x, self.cache0, self.rest, pos).compile()
+            self.compiled[name] = self.jax.jit(fn).lower(*self.train_args(seq)).compile()
             seconds[name] = time.perf_counter() - t0
             self.memory[name] = memory_bytes(self.compiled[name])
         return seconds
