@@ -53,7 +53,7 @@ if _ROOT not in sys.path:
 from bench import hlo_census  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
 from dsv4_jax import native  # noqa: E402
-from dsv4_jax.kernel_plan import BACKWARD_CHOICES, KernelPlan, as_kernel_plan  # noqa: E402
+from dsv4_jax.ops.kernel_plan import BACKWARD_CHOICES, KernelPlan, as_kernel_plan  # noqa: E402
 
 TARGETS = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h200.txtpb")}
 ATTACHED = "attached"  # target: the GPU of this machine
@@ -153,7 +153,7 @@ def lowered(case: Case, device):
                 jitted, args = stack.jits[None], (stack.weights, caches, hidden, positions)
             specs = stack.specs
             if case.finite_flag:
-                from dsv4_jax import finite_flag
+                from dsv4_jax.layer import finite_flag
 
                 specs = tuple(finite_flag.flagged_spec(spec) for spec in specs)
             static = {"specs": specs}
@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--size", default="flash")
     ap.add_argument("--finite-flag", action="store_true",
-                    help="decode, prefill: the steps compute the module call's finite flag (dsv4_jax.finite_flag)")
+                    help="decode, prefill: the steps compute the module call's finite flag "
+                         "(dsv4_jax.layer.finite_flag)")
     ap.add_argument("--decode-kernel", action="store_true",
                     help="the Pallas decode kernel for every decode shape it takes (as bench/stack.py's)")
     ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",

@@ -56,7 +56,7 @@ def _per_query(cfg, layer: str, t: np.ndarray):
 
 def cache_row_bytes(cfg, itemsize: int, kv_cache_dtype: str = "auto") -> tuple[float, float]:
     """Bytes of one main KV row and of one indexer key as the cache stores them: `itemsize` a
-    value, or with ``kv_cache_dtype="fp8"`` (`dsv4_jax.quantized_cache`) one byte a non-RoPE
+    value, or with ``kv_cache_dtype="fp8"`` (`dsv4_jax.cache.quantized`) one byte a non-RoPE
     value plus a scale byte a block of 64, RoPE values at `itemsize`; indexer keys two e2m1
     codes a byte plus a scale byte a block of 32 (V4-Flash: 583 and 68 bytes against 1024 and 256)."""
     d, c = cfg.head_dim, cfg.index_head_dim

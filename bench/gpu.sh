@@ -16,11 +16,11 @@
 #   maxtext   the MaxText and HF peers beside `none` (bench/run.py --peers hf-torch,maxtext-jax), from
 #             wheel folders carried with the call (PEER_WHEELS, default build/peer_wheels; HF_WHEELS,
 #             default build/hf_wheels; made here with internet: docs/benchmarks.md); LAYERS, BATCHES
-#   overlap   the overlap A/B (dsv4_jax.overlap) in one call: bench/stack.py's decode stacks with each
+#   overlap   the overlap A/B (dsv4_jax.step.overlap) in one call: bench/stack.py's decode stacks with each
 #             setting in turn per shape (OVERLAPS, default "on,off"; STACKS, BATCHES, CONTEXTS) and the
 #             module call -> $OUT/overlap_stack.json; then the PR-like decode (bench/run.py decode_pr,
 #             MODES, PR_BATCHES) in one process per setting, ORDER (default "on off on")
-#   fp8       FP8 caches (dsv4_jax.quantized_cache): their GPU tests (bit for bit against the bf16
+#   fp8       FP8 caches (dsv4_jax.cache.quantized): their GPU tests (bit for bit against the bf16
 #             cache), then the decode stacks with --numerics official and each cache format in turn
 #             per shape (KV_DTYPES, default "auto,fp8"; STACKS, BATCHES, CONTEXTS) -> $OUT/fp8_stack.json
 #   ab        bench/stack.py's decode stacks of the tree against the tree with files swapped in, one
@@ -33,7 +33,7 @@
 #   census    bench/deviceless.py --target attached: the launches of the decode stacks' programs as
 #             compiled here (autotuned), by stage and in a chain -> $OUT/census_attached.json (the CPU's
 #             deviceless census of the same cases is in bench/results/deviceless_census_*.json)
-#   finite    the finite check's verdict by the step's flag (dsv4_jax.finite_flag): its tests with the
+#   finite    the finite check's verdict by the step's flag (dsv4_jax.layer.finite_flag): its tests with the
 #             CUDA handler, then the module call with each finite-check way against the jitted step
 #             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
 #   trainab   the same for the training step: bench/train.py --size flash $TRAIN_ARGS $ARGS_T per variant,

@@ -42,7 +42,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _WORD = re.compile(r"\w+")
 
-# The step's stages: its named scopes (`dsv4_jax.step`), in the order a layer runs them.
+# The step's stages: its named scopes (`dsv4_jax.step.pure_step`), in the order a layer runs them.
 STAGE_ORDER = ("input_projections", "wq_b_kv_insert", "compressor", "indexer_compressor", "indexer_queries",
                "indexer_select", "sparse_attention", "output_projection", "other")
 # Thunks that hold others (a CUDA graph, a sequence, a branch, a loop); every other thunk is a launch

@@ -1,6 +1,6 @@
 """The peer: Hugging Face transformers' PyTorch DeepSeek-V4 attention layer, timed like ours.
 
-`dsv4_jax.hf_reference.HFAttentionRunner` builds the HF layer with our weights and a DynamicCache.
+`dsv4_jax.io.hf_reference.HFAttentionRunner` builds the HF layer with our weights and a DynamicCache.
 What is timed here is the layer's forward alone (``runner.layer(...)``): the rotary tables and
 the sliding-window mask are built just before each timed call, outside the timer, because in a
 `DeepseekV4Model` they are built once per forward and shared by all 43 layers.
@@ -55,7 +55,7 @@ class Peer:
     def __init__(self, cfg, layer_idx: int, weights: dict, dtype: str, device: str):
         import torch
 
-        from dsv4_jax.hf_reference import HFAttentionRunner
+        from dsv4_jax.io.hf_reference import HFAttentionRunner
 
         self.torch = torch
         self.device = device

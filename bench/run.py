@@ -39,9 +39,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import dsv4_jax.breaks  # noqa: E402
-import dsv4_jax.overlap  # noqa: E402
-import dsv4_jax.validation  # noqa: E402
+import dsv4_jax.layer.validation  # noqa: E402
+import dsv4_jax.step.breaks  # noqa: E402
+import dsv4_jax.step.overlap  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import peer as peer_mod  # noqa: E402
@@ -99,8 +99,8 @@ def _src_hash() -> str:
     import hashlib
 
     h = hashlib.sha1()
-    for f in sorted((ROOT / "dsv4_jax").glob("*.py")):
-        h.update(f.name.encode())
+    for f in sorted((ROOT / "dsv4_jax").rglob("*.py")):
+        h.update(str(f.relative_to(ROOT)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
 
@@ -194,7 +194,7 @@ def base_record(args, env, cfg, case, mode, dtype_name) -> dict:
     plan = None
     if settings is not None:
         try:  # what actually ran: the resolved break plan of this layer type on this platform
-            plan = dsv4_jax.breaks.plan_break(layer_type, settings["break_mode"], settings["break_on"],
+            plan = dsv4_jax.step.breaks.plan_break(layer_type, settings["break_mode"], settings["break_on"],
                                               settings["kernels"], env["platform"])
         except ValueError:
             plan = None
@@ -286,10 +286,10 @@ def run(args, partial=None) -> tuple[list, dict]:
     out_dir = Path(args.json).resolve().parent if args.json else None
     # The layer's default rejects non-finite inputs before dispatch (a device sync for jax.Array
     # inputs); recorded, and switchable, because it is part of the module call being timed.
-    dsv4_jax.validation.CHECK_FINITE = {"true": True, "host": "host", "false": False}[args.check_finite]
+    dsv4_jax.layer.validation.CHECK_FINITE = {"true": True, "host": "host", "false": False}[args.check_finite]
     meta = {"size": args.size, "quick": args.quick, "dtype": dtype.name, "argv": sys.argv[1:],
             "overlap": args.overlap,
-            "check_finite": dsv4_jax.validation.CHECK_FINITE,
+            "check_finite": dsv4_jax.layer.validation.CHECK_FINITE,
             "config": {k: v for k, v in cfg.__dict__.items() if k != "layer_types"},
             "peer_unavailable": None if use_peer else (peer_reason or "--no-peer"),
             "maxtext_unavailable": None if use_mt else mt_reason}
@@ -337,7 +337,7 @@ def run(args, partial=None) -> tuple[list, dict]:
                         cfg, args.size, layer, runs[layer].attn, dtype.name)
             peers[layer] = None
             if use_peer and any(c.peer and PEER not in c.skip for c in cases if c.layer == layer):
-                from dsv4_jax.weights import export_hf_attention_weights
+                from dsv4_jax.io.hf_weights import export_hf_attention_weights
 
                 peers[layer] = peer_mod.Peer(cfg, runs[layer].layer_idx, export_hf_attention_weights(runs[layer].attn),
                                              dtype.name, torch_device)
@@ -481,7 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-finite", choices=("true", "host", "false"), default="true",
                     help="the layer's non-finite input check (default: true, the layer's default)")
     ap.add_argument("--overlap", default="auto",
-                    help="the layers' overlap, one of dsv4_jax.overlap.OVERLAP_CHOICES (recorded as `overlap`; "
+                    help="the layers' overlap, one of dsv4_jax.step.overlap.OVERLAP_CHOICES (recorded as `overlap`; "
                          "the A/B: a run each); the stack scenarios take a list (bench/stack.py)")
     ap.add_argument("--no-peer", action="store_true", help="skip every peer")
     ap.add_argument("--peers", default="hf-torch,maxtext-jax",
@@ -508,7 +508,7 @@ def main(argv=None) -> int:
         return stack.main(sys.argv[1:] if argv is None else list(argv))
     args = ap.parse_args(argv)
     try:
-        dsv4_jax.overlap.check_overlap(args.overlap)
+        dsv4_jax.step.overlap.check_overlap(args.overlap)
     except ValueError as err:
         ap.error(str(err))
 

@@ -10,10 +10,10 @@ For each layer type (CSA in modes ``none``, ``narrow`` with ``break_on="host"`` 
 and 32 from a 16k context, prefill of 4k tokens at B = 2), the same layer (same weights), the
 same inputs and the same starting cache run
 
-* on **one device** (the plain layer, `dsv4_jax.step.step_function`), mesh ``"1"``;
+* on **one device** (the plain layer, `dsv4_jax.step.pure_step.step_function`), mesh ``"1"``;
 * on every mesh of ``--meshes`` (``DATAxMODEL``; default ``2x1`` = batch over two devices and
-  ``1x2`` = heads over two devices), through `dsv4_jax.sharding` (`shard_layer`,
-  `shard_cache`; the step: `dsv4_jax.step.sharded_attention_step`).
+  ``1x2`` = heads over two devices), through `dsv4_jax.step.sharding` (`shard_layer`,
+  `shard_cache`; the step: `dsv4_jax.step.pure_step.sharded_attention_step`).
 
 Each record (scenario ``sharded_decode`` / ``sharded_prefill``) holds:
 
@@ -77,9 +77,10 @@ import numpy as np  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
-from dsv4_jax import native, sharding  # noqa: E402
+from dsv4_jax import native  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
-from dsv4_jax.step import step_function  # noqa: E402
+from dsv4_jax.step import sharding  # noqa: E402
+from dsv4_jax.step.pure_step import step_function  # noqa: E402
 
 # (layer name, mode): the matrix. HCA has no indexer: narrow is none there.
 RUNS = (("csa", "none"), ("csa", "narrow"), ("csa", "narrow-device"), ("hca", "none"))

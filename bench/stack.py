@@ -78,14 +78,14 @@ import numpy as np  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
-from dsv4_jax import finite_flag  # noqa: E402
 from dsv4_jax import numerics as numerics_mod  # noqa: E402
-from dsv4_jax import overlap as overlap_mod  # noqa: E402
-from dsv4_jax import step as step_mod  # noqa: E402
+from dsv4_jax.cache.quantized import check_kv_cache_dtype  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
-from dsv4_jax.demo import stack_step  # noqa: E402
-from dsv4_jax.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
-from dsv4_jax.quantized_cache import check_kv_cache_dtype  # noqa: E402
+from dsv4_jax.layer import finite_flag  # noqa: E402
+from dsv4_jax.ops.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
+from dsv4_jax.step import overlap as overlap_mod  # noqa: E402
+from dsv4_jax.step import pure_step as step_mod  # noqa: E402
+from dsv4_jax.tools.demo import stack_step  # noqa: E402
 
 STACKS = {"mixed": (CSA, HCA), "csa": (CSA,), "hca": (HCA,)}
 FLOOR_LAYER = {CSA: "csa", HCA: "hca"}
@@ -109,16 +109,16 @@ def stack_layer_indices(cfg, kind: str, n: int) -> list[int]:
     return idx[:n]
 
 
-# The stack's step is the demo's (`dsv4_jax.demo.stack_step`: ``h = h + attention(layer_i, h)``
-# over the layers, one program); here its jitted variants, per overlap (`dsv4_jax.overlap`: the
+# The stack's step is the demo's (`dsv4_jax.tools.demo.stack_step`: ``h = h + attention(layer_i, h)``
+# over the layers, one program); here its jitted variants, per overlap (`dsv4_jax.step.overlap`: the
 # compile options of concurrent command buffers or not; a stack runs those of its layers' plans):
 # None: positions an argument, the caches donated.
 # `--same-buffers`: `stack_step` of one new token a row at each row's next position, each
-# layer's from its cache length (``positions=None``, `dsv4_jax.cache.next_positions`): no
+# layer's from its cache length (``positions=None``, `dsv4_jax.cache.contiguous.next_positions`): no
 # positions argument, so no new argument buffer a step. XLA re-records a CUDA graph's commands
 # whenever a buffer they use moved (`command_buffer::update`); these steps show what that costs
 # the host. "positions": the positions from the caches (the output is still a new buffer);
-# "all": the hidden states donated too (as `dsv4_jax.demo.stack_decode_step`), so a loop feeding
+# "all": the hidden states donated too (as `dsv4_jax.tools.demo.stack_decode_step`), so a loop feeding
 # each step the last one's output gets it back in the same buffer: every argument and output
 # the same buffer every step.
 stack_step_own_positions = functools.partial(stack_step, positions=None)
@@ -143,7 +143,7 @@ class Stack:
         """`kernel_args`: the command line, whose A/B switches change the mode's kernel plan
         (`kernel_plan`); `overlap`: the layers' setting (`set_overlap`); `numerics`: the layers'
         (`dsv4_jax.numerics`); `kv_cache_dtype`: the caches' format ("auto", "fp8": official
-        numerics only; `dsv4_jax.quantized_cache`), which the floor's cache bytes follow."""
+        numerics only; `dsv4_jax.cache.quantized`), which the floor's cache bytes follow."""
         self.cfg, self.kind, self.dtype = cfg, kind, jnp.dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.indices = stack_layer_indices(cfg, kind, n)
@@ -204,7 +204,7 @@ class Stack:
 
 def _random_leaf(key, like):
     """A random array shaped like a cache leaf: normal values, or for an FP8 cache's scale bytes
-    (uint8) exponents near 2**0 (`dsv4_jax.quantized_cache`)."""
+    (uint8) exponents near 2**0 (`dsv4_jax.cache.quantized`)."""
     if like.dtype == jnp.uint8:
         return jax.random.randint(key, like.shape, 120, 128, jnp.int32).astype(jnp.uint8)
     return jax.random.normal(key, like.shape, jnp.float32).astype(like.dtype)
@@ -322,7 +322,7 @@ def time_prefill(stack: Stack, batch: int, length: int, repeats: int, seed: int,
     """Prefill timings: one prompt of `length` tokens into empty caches, whole calls.
 
     `chunk` (``--prefill-chunk``): None, the prompt as one call of the stack's step; an int, or
-    "auto" (`dsv4_jax.long_context.prefill_chunk_size` within `memory_bytes`, default the
+    "auto" (`dsv4_jax.tools.long_context.prefill_chunk_size` within `memory_bytes`, default the
     device's free memory once the caches exist): the prompt as consecutive calls of that many
     tokens (`time_chunked_prefill`). Both record the device's memory (`prefill_memory_record`).
     """
@@ -373,7 +373,7 @@ def prefill_chunk_for(stack: Stack, batch: int, length: int, max_seq_len: int, c
     dtype, query block, indexer path; caches donated, residual stream carried) within
     `memory_bytes`, default `long_context.available_memory_bytes()` (call it once the caches
     exist: their memory is then no longer free)."""
-    from dsv4_jax import long_context
+    from dsv4_jax.tools import long_context
 
     layer_types = [a.layer_type for a in stack.layers]
     options = dict(query_block=max(a.query_block for a in stack.layers), donated=True, residual=True,
@@ -401,7 +401,7 @@ def time_chunked_prefill(stack: Stack, batch: int, length: int, repeats: int, se
     chunk's length), made before the clock and fed to every chunk: a 1M-token input would take
     device memory the prefill itself does not need (a model embeds each chunk's tokens as it
     goes). The caches are donated from call to call, as in a model's chunked prefill."""
-    from dsv4_jax.cache import cache_nbytes
+    from dsv4_jax.cache.contiguous import cache_nbytes
 
     max_seq_len = _round_up(length)
     caches = jax.block_until_ready(stack.empty_caches(batch, max_seq_len))
@@ -533,7 +533,7 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     the last step's outputs from the jitted step's. The layers keep the module's default,
     ``donate_cache=False`` (the jitted step then does not donate either): a donating layer
     checks device inputs before dispatch (`validation.finite_deferred`), a separate round trip.
-    Two more layers check with each way of the verdict (`dsv4_jax.finite_flag`): written by the
+    Two more layers check with each way of the verdict (`dsv4_jax.layer.finite_flag`): written by the
     step itself (``finite_flag.VERDICT = "flag"``): ``module_call_flag_ms``, ``flag_words`` the
     words it read (0 where the input is checked on the host, as on a CPU, or the native
     extension is missing); by the program before the step (``"guard"``): ``module_call_guard_ms``;
@@ -614,18 +614,20 @@ KERNEL_SWITCHES = {
                  "no-compress-kernel", "the compressor's decode pooling by the XLA path on CUDA too (compress = 'xla') "
                                        "for A/B runs"),
     "projections": ("projection-kernel", "the input and output projections of calls of at most 64 token rows by the "
-                                         "Pallas kernel on CUDA (projections = 'pallas'; dsv4_jax.projection_kernel) "
-                                         "for A/B runs",
+                                         "Pallas kernel on CUDA (projections = 'pallas'; "
+                                         "dsv4_jax.ops.projection.pallas) for A/B runs",
                     "no-projection-kernel", "the input and output projections by XLA's GEMMs (projections = 'xla'; "
                                             "the default today)"),
     "query_norm": ("query-norm-kernel", "the queries' per-head norm and RoPE by one Pallas kernel on CUDA for every "
-                                        "call, decode steps too (query_norm = 'pallas'; dsv4_jax.head_norm_kernel; "
+                                        "call, decode steps too (query_norm = 'pallas'; "
+                                        "dsv4_jax.ops.query_norm.pallas; "
                                         "the default: calls of several queries a row)",
                    "no-query-norm-kernel", "the queries' per-head norm and RoPE by XLA everywhere (query_norm = "
                                            "'xla') for A/B runs"),
     "split_merge": ("merge-kernel", "decode attention's key splits merged with the sink and de-rotated by one "
                                     "Pallas kernel on CUDA wherever the attention kernel splits them (split_merge = "
-                                    "'pallas'; dsv4_jax.split_merge_kernel; the default: CSA calls of >= 16 rows)",
+                                    "'pallas'; dsv4_jax.ops.sparse_attention.split_merge_pallas; the default: CSA "
+                                    "calls of >= 16 rows)",
                     "no-merge-kernel", "decode attention's key splits merged by XLA everywhere (split_merge = 'xla') "
                                        "for A/B runs"),
 }
@@ -859,18 +861,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the scores the native selection's top-k picks from (KernelPlan select_scores; "
                          "default: the Pallas scoring kernel for prefill chunks on CUDA, the handler's for decode)")
     ap.add_argument("--overlap", default="auto", metavar="SETTING[,SETTING...]",
-                    help="the layers' overlap (dsv4_jax.overlap: auto, on, off); a list runs each job once per "
+                    help="the layers' overlap (dsv4_jax.step.overlap: auto, on, off); a list runs each job once per "
                          "setting, in order, back to back (the A/B: e.g. on,off,on); records carry `overlap`")
     ap.add_argument("--numerics", default="reference", choices=numerics_mod.NUMERICS,
                     help="the layers' numerics (dsv4_jax.numerics; fp8 caches need official); records carry it")
     ap.add_argument("--kv-cache-dtype", default="auto", metavar="FORMAT[,FORMAT...]",
-                    help="the caches' format (auto, fp8: dsv4_jax.quantized_cache, with --numerics official); a "
+                    help="the caches' format (auto, fp8: dsv4_jax.cache.quantized, with --numerics official); a "
                          "list runs each job once per format, back to back (the A/B); records carry "
                          "`kv_cache_dtype`, and the floor counts the format's bytes")
     ap.add_argument("--render", default=None, metavar="JSON")
     ap.add_argument("--prefill-chunk", default=None, type=prefill_chunk_arg, metavar="N|auto",
                     help="stack_prefill as consecutive calls of N tokens (auto: the largest chunk whose estimated "
-                         "memory fits the device's free memory, dsv4_jax.long_context.prefill_chunk_size); "
+                         "memory fits the device's free memory, dsv4_jax.tools.long_context.prefill_chunk_size); "
                          "records chunk, chunks, the estimate and the device's peak memory")
     ap.add_argument("--prefill-memory", default=None, type=float, metavar="BYTES",
                     help="the budget of --prefill-chunk auto (default: the device's free memory once the caches exist)")

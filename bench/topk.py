@@ -22,7 +22,7 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
 * ``select_prefill``  one query block of a long prefill (256 queries on a causal ramp, B = 1,
               bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
               the top-k alone on the same scores (with ``--device-time`` each kernel's own time
-              says how the handler splits), the Pallas scoring (`dsv4_jax.indexer_kernel`, each
+              says how the handler splits), the Pallas scoring (`dsv4_jax.ops.indexer.pallas`, each
               of ``--pallas-configs``; the first is the layer's default for prefill chunks on
               CUDA) followed by the native top-k, and XLA where its [S, nI, T] product fits 2 GiB.
 
@@ -52,7 +52,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dsv4_jax import indexer, indexer_kernel, native  # noqa: E402
+from dsv4_jax import native  # noqa: E402
+from dsv4_jax.ops.indexer import pallas as indexer_kernel  # noqa: E402
+from dsv4_jax.ops.indexer import reference as indexer  # noqa: E402
 
 
 def time_program(fn, args, repeats: int, spin_s: float = 1.0) -> list[float]:
@@ -158,7 +160,7 @@ def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: in
 
 def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
                     seed: int = 2, configs: str = "") -> list[dict]:
-    from dsv4_jax.quantized_cache import QuantizedRows
+    from dsv4_jax.cache.quantized import QuantizedRows
 
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads, dim)), jnp.bfloat16)
@@ -194,7 +196,7 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
 
 
 # The Pallas scoring's configurations (`--pallas-configs`): entries a block, blocks a program,
-# Triton warps, pipeline stages; the first is the package's (dsv4_jax.indexer_kernel).
+# Triton warps, pipeline stages; the first is the package's (dsv4_jax.ops.indexer.pallas).
 PALLAS_CONFIGS = "128:8:8:3,128:8:4:3"
 
 
@@ -271,7 +273,7 @@ def main(argv=None) -> None:
                     help="select_prefill: entries the block's last query sees (comma-separated)")
     ap.add_argument("--pallas-configs", default=PALLAS_CONFIGS,
                     help="select_prefill, select_fp4: the Pallas scoring's configurations, "
-                         "block:tiles:warps:stages[,...] (dsv4_jax.indexer_kernel)")
+                         "block:tiles:warps:stages[,...] (dsv4_jax.ops.indexer.pallas)")
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each program: kernel time per op (set XLA_FLAGS="
                          "--xla_enable_command_buffers_during_profiling=true to keep CUDA graphs)")

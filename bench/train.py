@@ -67,8 +67,8 @@ from bench import gpu_clocks, peer_maxtext, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import run as run_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
-from dsv4_jax import step as step_mod  # noqa: E402
-from dsv4_jax.kernel_plan import BACKWARD_CHOICES  # noqa: E402
+from dsv4_jax.ops.kernel_plan import BACKWARD_CHOICES  # noqa: E402
+from dsv4_jax.step import pure_step as step_mod  # noqa: E402
 
 REMAT = ("none", "layer")
 

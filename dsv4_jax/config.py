@@ -382,3 +382,11 @@ def _yarn_from_dict(rope: Mapping[str, Any]) -> YarnScaling | None:
         attention_factor=float(attention_factor),
         truncate=bool(rope.get("truncate", True)),
     )
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of `choices`, else a ValueError naming `name` (every string switch
+    of the layer: break_mode, break_on, kernels and the plan's stages)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value

@@ -55,7 +55,7 @@ import ml_dtypes
 import numpy as np
 
 from dsv4_jax.backend import Array, namespace
-from dsv4_jax.kernel_plan import check_choice
+from dsv4_jax.config import check_choice
 
 NUMERICS = ("reference", "official")
 

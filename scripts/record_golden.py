@@ -4,7 +4,7 @@
 
 Needs torch and transformers==5.23.0 (the `[hf]` extra). For each recording (NAME, default
 all of `RECORDINGS`) it runs HF's `DeepseekV4Attention` layer by layer through
-`dsv4_jax.hf_reference.HFAttentionRunner` (float32, CPU, a `DynamicCache`, masks and rotary
+`dsv4_jax.io.hf_reference.HFAttentionRunner` (float32, CPU, a `DynamicCache`, masks and rotary
 tables built as `DeepseekV4Model` builds them; top-k ties to the lower entry index) over the
 recording's schedule of calls, and writes OUT_DIR/NAME in the format of tests/data/README.md.
 
@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling  # noqa: E402
-from dsv4_jax.weights import expected_shapes  # noqa: E402
+from dsv4_jax.io.hf_weights import expected_shapes  # noqa: E402
 
 TRANSFORMERS_VERSION = "5.23.0"
 SOURCE = "transformers DeepseekV4Model, float32, CPU, top-k ties broken by lower index"
@@ -50,7 +50,7 @@ class Recording:
     batch: int
     seed: int
     # "official": HF's layer with the official inference's roundings put in at its places
-    # (`dsv4_jax.hf_reference.official_roundings`), the reference of ``numerics="official"``.
+    # (`dsv4_jax.io.hf_reference.official_roundings`), the reference of ``numerics="official"``.
     numerics: str = "reference"
     # With --inputs-from: the recording whose weights and inputs this one reuses (default: itself).
     inputs_of: str | None = None
@@ -103,7 +103,7 @@ def hf_kwargs(rec: Recording) -> dict:
 
 def meta(rec: Recording, source: str = SOURCE) -> dict:
     """The file's `meta` (needs transformers: `hf_config` is HF's normalized config, non-defaults)."""
-    from dsv4_jax.hf_reference import hf_config
+    from dsv4_jax.io.hf_reference import hf_config
 
     kwargs = hf_kwargs(rec)
     hf = hf_config(rec.config, **kwargs).to_diff_dict()
@@ -185,7 +185,7 @@ def record(rec: Recording, weights, hidden, source: str = SOURCE) -> dict[str, n
     """Run the reference over `rec.schedule`: the file's arrays, `meta` included."""
     import contextlib
 
-    from dsv4_jax.hf_reference import HFAttentionRunner, official_roundings, official_sites
+    from dsv4_jax.io.hf_reference import HFAttentionRunner, official_roundings, official_sites
 
     arrays = {"meta": np.frombuffer(json.dumps(meta(rec, source)).encode(), np.uint8)}
     for i, layer_type in enumerate(rec.config.layer_types):
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
             source = f"{SOURCE}; outputs re-recorded by scripts/record_golden.py"
         else:
             inputs = make_inputs(rec)
-            source = (f"transformers {TRANSFORMERS_VERSION} DeepseekV4Attention via dsv4_jax.hf_reference, float32, "
+            source = (f"transformers {TRANSFORMERS_VERSION} DeepseekV4Attention via dsv4_jax.io.hf_reference, float32, "
                       f"CPU, {TIE_RULE}; inputs from scripts/record_golden.py make_inputs(seed={rec.seed})")
         np.savez_compressed(args.out_dir / name, **record(rec, *inputs, source=source))
         print(f"wrote {args.out_dir / name}")

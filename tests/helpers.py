@@ -1,5 +1,5 @@
 """Test helpers: the recorded reference runs (tests/data), layer builders, the execution modes,
-the jobs run beside the session. (A layer over a schedule of calls: `dsv4_jax.diagnostics.run_schedule`.)"""
+the jobs run beside the session. (A layer over a schedule of calls: `dsv4_jax.tools.diagnostics.run_schedule`.)"""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_single_token_projections_on_more_rows_give_the_same_values(monkeypatch)
 
     import dsv4_jax
     from dsv4_jax import backend
-    from dsv4_jax.step import attention_step
+    from dsv4_jax.step.pure_step import attention_step
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.float32)

@@ -10,10 +10,12 @@ import json
 import jax
 import pytest
 
-from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Attention, DeepseekV4Config, YarnScaling, breaks, indexer
+from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Attention, DeepseekV4Config, YarnScaling
 from dsv4_jax.backend import QUERY_BLOCK
-from dsv4_jax.sparse_attention import sparse_attention
-from dsv4_jax.step import StepSpec
+from dsv4_jax.ops.indexer import reference as indexer
+from dsv4_jax.ops.sparse_attention.reference import sparse_attention
+from dsv4_jax.step import breaks
+from dsv4_jax.step.pure_step import StepSpec
 
 # The attention part of DeepSeek-V4-Flash's hub config.json (spec section 1).
 FLASH_HUB = {

@@ -21,9 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dsv4_jax
-from dsv4_jax import breaks, indexer, native
+from dsv4_jax import native
 from dsv4_jax.config import CSA, HCA
-from dsv4_jax.diagnostics import run_schedule
+from dsv4_jax.ops.indexer import reference as indexer
+from dsv4_jax.step import breaks
+from dsv4_jax.tools.diagnostics import run_schedule
 
 needs_native = pytest.mark.skipif(not NATIVE_BUILT, reason="native handlers not built for this platform")
 
@@ -257,7 +259,7 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     block of 32; empty rows of scale 0 included): the same scores, bit for bit, and picks as
     the native selection over the dequantized keys, and the XLA twin's picks."""
     from dsv4_jax import numerics
-    from dsv4_jax.quantized_cache import QuantizedRows
+    from dsv4_jax.cache.quantized import QuantizedRows
 
     rng = np.random.default_rng(dim)
     q, w, keys, visible = random_selection_inputs(rng, dtype, batch=2, seq=4, heads=heads, dim=dim, slots=slots)

@@ -626,7 +626,7 @@ def test_gradients_pass_the_official_roundings_straight_through():
     """QAT's straight-through estimator: the rounding's VJP is the identity (the value is the
     rounded one); the official layer differentiates, finite, with respect to parameters and
     input, for every layer type."""
-    from dsv4_jax.step import straight_through
+    from dsv4_jax.step.pure_step import straight_through
 
     x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 40)), jnp.float32)
     cotangent = jnp.asarray(np.random.default_rng(6).normal(size=(3, 40)), jnp.float32)
@@ -646,7 +646,7 @@ def test_gradients_pass_the_official_roundings_straight_through():
 
 def _layer_gradients(cfg, layer: int, setting: str, h, positions):
     """(d weights, d hidden) of mean(out^2) for a prefill of a random layer, break_mode none."""
-    from dsv4_jax.step import attention_step
+    from dsv4_jax.step.pure_step import attention_step
 
     attn = helpers.random_layer(cfg, layer, break_mode="none", numerics=setting)
     spec, cache = attn.step_spec(), attn.init_cache(1, 32)

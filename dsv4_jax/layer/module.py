@@ -1,0 +1,454 @@
+"""`DeepseekV4Attention`: the layer, as a thin NNX module over a pure, compiled step.
+
+The module holds the parameters (`Compressor` and `Indexer` are its submodules), makes the
+cache (`init_cache`), hands out its parameters as the step's pytree (`weights`,
+`step_weights`) and its static description (`step_spec`: the `StepSpec` with the one
+`BreakPlan`, break and kernels resolved together). The step itself, its stages and its
+compiled versions are `dsv4_jax.step.pure_step`; the eager call (checks, memo, host length mirror) is
+`dsv4_jax.layer.call`, to which `__call__` hands over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4_jax import numerics as numerics_mod
+from dsv4_jax.backend import QUERY_BLOCK, Array
+from dsv4_jax.cache.contiguous import AttentionCache, init_attention_cache
+from dsv4_jax.cache.quantized import check_kv_cache_dtype
+from dsv4_jax.config import CSA, HCA, DeepseekV4Config
+from dsv4_jax.layer import call as call_path
+from dsv4_jax.layer import validation
+from dsv4_jax.ops.compress.reference import CompressorWeights
+from dsv4_jax.ops.indexer.reference import IndexerWeights
+from dsv4_jax.step import breaks, sharding
+from dsv4_jax.step import overlap as overlap_mod
+from dsv4_jax.step.pure_step import DERIVED_WEIGHTS, AttentionWeights, StepSpec, fuse_input_projections
+
+
+# ---------------------------------------------------------------------------- NNX modules
+def _array(param: nnx.Variable) -> Array:
+    """A parameter's array. `get_raw_value` skips flax's accessor machinery (~4 us a parameter,
+    which adds up on every decode step); it is only used when it holds a plain array."""
+    raw = param.get_raw_value() if hasattr(param, "get_raw_value") else None
+    return raw if isinstance(raw, (jax.Array, np.ndarray)) else param[...]
+
+
+def _param(value, axes: tuple[str, ...]) -> nnx.Param:
+    """A parameter annotated with its logical axes (NNX sharding metadata; `dsv4_jax.step.sharding`
+    maps them to mesh axes). ``eager_sharding=False``: the annotation alone, so building a layer
+    needs no mesh; `sharding.shard_layer` places the values."""
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _projection(rngs: nnx.Rngs, shape, dtype, axes: tuple[str, ...]) -> nnx.Param:
+    """A projection kernel [..., in, out] with variance 1/in (activations stay O(1)), logical `axes`.
+
+    Drawn in float32, then cast: one seed gives the same weights (up to the cast) for every
+    `param_dtype` (`random.normal` drawing in bf16 directly consumes the bits differently)."""
+    init = nnx.initializers.normal(stddev=shape[-2] ** -0.5)
+    return _param(init(rngs.params(), shape, jnp.float32).astype(dtype), axes)
+
+
+class Compressor(nnx.Module):
+    """Parameters of a gated-pooling compressor (names as HF's `compressor.*`)."""
+
+    def __init__(self, hidden: int, width: int, dim: int, ratio: int, *, rngs: nnx.Rngs, param_dtype):
+        # One shared K=V head: nothing here has a head axis (replicated over "model").
+        self.kv_proj = _projection(rngs, (hidden, width), param_dtype, ("embed", "kv"))
+        self.gate_proj = _projection(rngs, (hidden, width), param_dtype, ("embed", "kv"))
+        self.position_bias = _param(jnp.zeros((ratio, width), jnp.float32), ("ratio", "kv"))
+        self.kv_norm = _param(jnp.ones((dim,), jnp.float32), ("kv",))
+
+    def weights(self) -> CompressorWeights:
+        return _weights_of(self, CompressorWeights)
+
+
+class Indexer(nnx.Module):
+    """Parameters of the lightning indexer (HF `compressor.indexer.*`, official `indexer.*`)."""
+
+    def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, param_dtype):
+        c = cfg.index_head_dim
+        # "index_heads", not "heads": the selection sums over all indexer heads, so the indexer is
+        # replicated over "model" (see `dsv4_jax.step.sharding`).
+        self.q_b_proj = _projection(rngs, (cfg.q_lora_rank, cfg.index_n_heads * c), param_dtype,
+                                    ("q_lora", "index_heads"))
+        self.weights_proj = _projection(rngs, (cfg.hidden_size, cfg.index_n_heads), param_dtype,
+                                        ("embed", "index_heads"))
+        self.compressor = Compressor(cfg.hidden_size, cfg.compressor_width(CSA, indexer=True), c,
+                                     cfg.csa_compress_rate, rngs=rngs, param_dtype=param_dtype)
+
+    def weights(self) -> IndexerWeights:
+        return _weights_of(self, IndexerWeights)
+
+
+# Per-layer memos of `weights()`, `step_weights()` and `step_spec()`, outside the modules (NNX
+# would otherwise treat the cached arrays as part of the module's graph). Weak keys: they go
+# with the layer. (The calls' memo is `call_path`'s.)
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STEP_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weights(), fused)
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _parameter_arrays(module: nnx.Module) -> list:
+    """Every parameter array of `module` and its submodules, in `_weights_of`'s order."""
+    out = []
+    for name in _field_names(type(module)):
+        value = module.__dict__.get(name)
+        if isinstance(value, nnx.Module):
+            out.extend(_parameter_arrays(value))
+        elif value is not None:
+            out.append(_array(value))
+    return out
+
+
+def _field_names(cls) -> tuple:
+    """The parameter attributes of a module class (`_FIELD_NAMES`; a subclass has its base's)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = next((_FIELD_NAMES[base] for base in cls.__mro__ if base in _FIELD_NAMES), ())
+    return names
+
+
+# How the probe reads a parameter's array: its slot, where the parameter's class reads it there
+# (flax's `Variable.get_raw_value`), else through the method.
+_PLAIN_GET = getattr(nnx.Variable, "get_raw_value", None)
+_RAW_SLOT = operator.attrgetter("_raw_value")
+_RAW_VALUE = operator.methodcaller("get_raw_value")
+
+
+def _parameter_probe(module: nnx.Module):
+    """What `weights()` compares by identity to know its pytree is current, without walking the
+    modules: (attribute dicts, names, the objects they held, the parameters, their arrays). None
+    where a parameter holds something else than a plain array (then the walk, each call)."""
+    owners, names, held, params, raws = [], [], [], [], []
+
+    def walk(m) -> bool:
+        fields = m.__dict__
+        for name in _field_names(type(m)):
+            value = fields.get(name)
+            owners.append(fields)
+            names.append(name)
+            held.append(value)
+            if isinstance(value, nnx.Module):
+                if not walk(value):
+                    return False
+            elif value is not None:
+                raw = value.get_raw_value() if hasattr(value, "get_raw_value") else None
+                if not isinstance(raw, (jax.Array, np.ndarray)):
+                    return False
+                params.append(value)
+                raws.append(raw)
+        return True
+
+    if not walk(module):
+        return None
+    plain = _PLAIN_GET is not None and all(type(p).get_raw_value is _PLAIN_GET for p in params)
+    return _Probe((tuple(owners), tuple(names), tuple(held), tuple(params), tuple(raws),
+                   _RAW_SLOT if plain else _RAW_VALUE))
+
+
+class _Probe(tuple):
+    """A `_parameter_probe`: (attribute dicts, names, the objects they held, the parameters,
+    their arrays, how to read a parameter's array). The call path holds one beside the
+    `step_weights()` it made and asks it `holds()`."""
+
+    __slots__ = ()
+
+    def holds(self) -> bool:
+        """Every attribute still holds the object it held, every parameter the array it held."""
+        owners, names, held, params, raws, read = self
+        return (all(map(operator.is_, map(dict.get, owners, names), held))
+                and all(map(operator.is_, map(read, params), raws)))
+
+
+def _weights_of(module: nnx.Module, cls):
+    """`cls` (a weights pytree) filled from `module`'s attributes of the same names.
+
+    The parameters' names are the modules' attributes, set in the constructors: the one
+    source. The weights pytrees name the same attributes (a mismatch fails at once), and the
+    HF name table is derived from the same attributes (`weights.parameter_table`).
+    """
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.name in DERIVED_WEIGHTS:
+            continue
+        value = getattr(module, field.name)
+        values[field.name] = (None if value is None else value.weights() if isinstance(value, nnx.Module)
+                              else _array(value))
+    return cls(**values)
+
+
+_FIELD_NAMES = {}  # module class -> the weights pytree's field names (filled below the classes)
+
+
+class DeepseekV4Attention(nnx.Module):
+    """DeepSeek-V4 attention (sliding / CSA / HCA by `cfg.layer_types[layer_idx]`), with a cache.
+
+    >>> attn = DeepseekV4Attention(cfg, layer_idx=1, rngs=nnx.Rngs(0))
+    >>> cache = attn.init_cache(batch_size=2, max_seq_len=4096)
+    >>> out, cache = attn(hidden_states, positions, cache)   # [B,S,hidden], int32 [B,S]
+
+    Arguments:
+      break_mode:   "narrow" (default; the indexer's scoring + top-k in a break), "none"
+                    (no break) or "wide" (wq_b_kv_insert + compressors + indexer on the
+                    host). Same picks and outputs in every mode. An attribute: it may be
+                    changed between calls (each mode compiles once).
+      break_on:     where the narrow break runs: "device" (a native XLA FFI custom call on
+                    the step's device, an eager break that never leaves it), "host" (a
+                    `jax.pure_callback` into NumPy) or "auto" (default: "device" where the
+                    native handlers are built for the platform, see `dsv4_jax.native_info()`,
+                    else "host"). The wide break is always on the host. An attribute.
+      kernels:      "auto" (default: native handlers where built; with break_mode="none" the
+                    selection then runs the graph-compatible native handler, no break),
+                    "native" (require them) or "xla" (XLA reference ops only, e.g. `lax.top_k`).
+      dtype:        compute dtype; None (default) = `param_dtype`: a bf16 layer computes in
+                    bf16 and casts float32 inputs to bf16 (its cache and output are bf16); a
+                    float32 layer computes bf16 inputs in float32. (flax's `nnx.Linear`
+                    promotes instead; here the cache's dtype must be known before the first
+                    input is seen, so the layer alone decides.) Set it to compute in another
+                    dtype than the weights, e.g. ``dtype=jnp.float32`` with bf16 weights.
+      param_dtype:  dtype of the projection weights. Norm weights, sinks and position biases
+                    stay float32, as the reference keeps them.
+      precision:    `jax.lax.Precision` of the matmuls. None (default) means HIGHEST for a
+                    float32 compute dtype (true float32 on GPUs too, where XLA's default
+                    would use TF32) and the backend default for bf16.
+      query_block:  queries processed at a time by the indexer scoring and sparse attention
+                    (bounds the memory of long prefills).
+      donate_cache: donate the input cache's buffers to the step (in-place updates; the
+                    cache passed in becomes unusable after a successful call).
+      check_finite: reject NaN/inf in `hidden_states`: True (every concrete input; an
+                    accelerator array inside the step, its verdict read after it, or before
+                    dispatch with a device sync where the cache is donated), "host" (NumPy
+                    inputs only), False (none: NaN reaches the output and the cache). None
+                    (default): `dsv4_jax.layer.validation.CHECK_FINITE`, which is True.
+      checkify:     False (default) or True: under your own `jax.jit`, where the value checks
+                    cannot run on the host, put them into the step as
+                    `jax.experimental.checkify.check`s (each row's positions continue its
+                    length, padding only after a row's real tokens, room left; messages as
+                    the eager ones). Then wrap your
+                    function in `checkify.checkify` (``jax.jit(checkify.checkify(f))``) and
+                    call ``err.throw()``. Eager calls are checked on the host and run the
+                    usual step either way. An attribute.
+      mesh:         a `jax.sharding.Mesh` (axes "data" for the batch, "model" for the heads;
+                    `dsv4_jax.step.sharding.make_mesh`) to run on: the parameters are placed on it
+                    by their logical axes, `init_cache` makes a batch-sharded cache, and the
+                    breaks run per batch shard. None (default): no mesh of its own; the step
+                    then takes the mesh of an enclosing ``jax.set_mesh(...)``, or (eager calls)
+                    the one the cache is sharded over. An attribute; see `dsv4_jax.step.sharding`.
+      sharding_rules: (logical axis, mesh axis or None) pairs overriding
+                    `dsv4_jax.step.sharding.LOGICAL_AXIS_RULES` (None: the defaults).
+      numerics:     "reference" (default: Hugging Face transformers' numerics, exactly) or
+                    "official" (DeepSeek's own inference: the window and compressed KV on an FP8
+                    grid, the indexer's queries and keys Hadamard-rotated onto an FP4 grid;
+                    docs/numerics.md). The same in every break mode and on every device. An
+                    attribute.
+      overlap:      "auto" (default), "on" or "off": the step's independent stages (the query
+                    path with wq_b_kv_insert, the compressors, the indexer's queries and keys)
+                    may run side by side on the GPU (XLA's concurrent command buffers, the
+                    parallel half of vLLM PR #45309; `dsv4_jax.step.overlap`). Identical results;
+                    "auto" is on where it measured faster (CUDA). No effect off CUDA, nor on a
+                    step traced inside your own `jax.jit` (give that jit
+                    ``compiler_options=dsv4_jax.compiler_options()``). An attribute.
+
+    Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
+    ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
+    ``o_a_proj [G, H*D/G, R]``, ``o_b_proj [G*R, hidden]``, ``sinks [H]``; ``compressor``
+    (CSA/HCA) and ``indexer`` (CSA) submodules. Load HF weights with
+    `dsv4_jax.load_hf_attention_weights`.
+    """
+
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs,
+                 break_mode: str = "narrow", break_on: str = "auto", kernels: str = "auto", dtype=None,
+                 param_dtype=jnp.float32, precision=None, query_block: int = QUERY_BLOCK,
+                 donate_cache: bool = False,
+                 check_finite=None, checkify: bool = False, mesh=None, sharding_rules=None,
+                 numerics: str = "reference", overlap: str = "auto"):
+        if not isinstance(config, DeepseekV4Config):
+            raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_type(layer_idx)
+        self.break_mode = breaks.check_break_mode(break_mode)
+        self.break_on = breaks.check_break_on(break_on)
+        self.kernels = breaks.check_kernels(kernels)
+        self.numerics = numerics_mod.check_numerics(numerics)
+        self.overlap = overlap_mod.check_overlap(overlap)
+        self.dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
+        self.param_dtype = validation.check_float_dtype("param_dtype", param_dtype)
+        self.precision = precision
+        if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
+            raise ValueError(f"query_block: expected a positive int, got {query_block!r}")
+        self.query_block = query_block
+        self.donate_cache = bool(donate_cache)
+        validation.check_finite_mode(check_finite)
+        self.check_finite = check_finite
+        self.checkify = bool(checkify)
+
+        c, h, d = config, config.num_attention_heads, config.head_dim
+        pd = self.param_dtype
+        # Logical axes (`dsv4_jax.step.sharding.LOGICAL_AXIS_RULES`): heads split over "model" where
+        # the math is per head (q_b_proj's head-major columns, sinks) and the output projection
+        # by its groups (each group holds whole heads; XLA sums the groups' partial outputs).
+        self.q_a_proj = _projection(rngs, (c.hidden_size, c.q_lora_rank), pd, ("embed", "q_lora"))
+        self.q_a_norm = _param(jnp.ones((c.q_lora_rank,), jnp.float32), ("q_lora",))
+        self.q_b_proj = _projection(rngs, (c.q_lora_rank, h * d), pd, ("q_lora", "heads"))
+        self.kv_proj = _projection(rngs, (c.hidden_size, d), pd, ("embed", "kv"))
+        self.kv_norm = _param(jnp.ones((d,), jnp.float32), ("kv",))
+        self.o_a_proj = _projection(rngs, (c.o_groups, h * d // c.o_groups, c.o_lora_rank), pd,
+                                    ("o_groups", "group_dim", "o_lora"))
+        self.o_b_proj = _projection(rngs, (c.o_groups * c.o_lora_rank, c.hidden_size), pd, ("o_groups", "embed"))
+        self.sinks = _param(jnp.zeros((h,), jnp.float32), ("heads",))
+        self.compressor = (
+            Compressor(c.hidden_size, c.compressor_width(self.layer_type), d, c.compress_rate(self.layer_type),
+                       rngs=rngs, param_dtype=pd)
+            if self.layer_type in (CSA, HCA) else None
+        )
+        self.indexer = Indexer(c, rngs=rngs, param_dtype=pd) if self.layer_type == CSA else None
+        self.mesh = None
+        # Hashable (the module's static attributes key `nnx.jit`'s cache): a tuple over every logical axis.
+        self.sharding_rules = None if sharding_rules is None else sharding.check_rules(sharding_rules)
+        if mesh is not None:
+            sharding.shard_layer(self, mesh, sharding_rules)
+
+    # ------------------------------------------------------------------ public API
+    def init_cache(self, batch_size: int, max_seq_len: int, dtype=None, *,
+                   allow_long_context: bool = False, kv_cache_dtype: str = "auto") -> AttentionCache:
+        """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
+
+        dtype: the cache dtype; defaults to the layer's compute dtype, which is `dtype`, else
+        `param_dtype` (the compute dtype does not depend on the inputs: with
+        ``param_dtype=jnp.bfloat16`` and ``dtype=None`` the layer computes in bf16 for float32
+        and bf16 inputs alike, and this default cache fits both). A cache of another dtype
+        than the compute dtype is refused at the call with a `TypeError` naming ``cache``.
+        allow_long_context: `max_seq_len` past ``config.max_position_embeddings`` (positions the
+        model was not trained for) is a `ValueError` naming both unless this is True (as vLLM
+        refuses a ``max_model_len`` past the model's limit unless told otherwise).
+        kv_cache_dtype: "auto" (the rows in `dtype`) or "fp8" (FP8 caches: the window and the
+        compressed entries as FP8 grid values with a scale byte a block, the indexer's keys on
+        the FP4 grid, in about half the bytes; `dsv4_jax.cache.quantized`). Lossless for a layer
+        with ``numerics="official"`` (same picks and outputs as its bf16 cache, bit for bit),
+        which it requires: with "reference" numerics a `ValueError` names ``kv_cache_dtype``.
+        """
+        dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
+        dtype = dtype or self.compute_dtype
+        if check_kv_cache_dtype(kv_cache_dtype) == "fp8" and self.numerics != "official":
+            raise ValueError(
+                "kv_cache_dtype: 'fp8' stores the keys on the official numerics' FP8/FP4 grid; expected a layer "
+                f"with numerics='official', got numerics={self.numerics!r}")
+        cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
+                                     allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype)
+        # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
+        return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)
+
+    def weights(self) -> AttentionWeights:
+        """The current parameters as an `AttentionWeights` pytree of arrays.
+
+        Built once and reused while every parameter still holds the same array (checked by
+        identity each call: an assignment, a loaded checkpoint or an optimizer update makes a
+        new pytree). The cache lives outside the module (`_WEIGHTS`), so NNX never sees it; it
+        keeps a probe of the attributes, parameters and arrays it was built from, so that the
+        check is a few identity comparisons rather than a walk of the modules."""
+        hit = _WEIGHTS.get(self)
+        if hit is not None and hit[0] is not None and hit[0].holds():
+            return hit[2]  # the same parameters still hold the same arrays
+        arrays = _parameter_arrays(self)
+        key = tuple(map(id, arrays))
+        if hit is not None and hit[1] == key:  # the cached pytree holds these very arrays
+            weights = hit[2]
+        else:
+            weights = _weights_of(self, AttentionWeights)
+        _WEIGHTS[self] = (_parameter_probe(self), key, weights)
+        return weights
+
+    def step_weights(self) -> AttentionWeights:
+        """What the layer's call hands its compiled step: `weights()`, for a CSA layer with the
+        input projections' weights side by side (`fuse_input_projections`), made once per
+        `weights()` pytree.
+
+        Use it to drive `attention_step` yourself at the layer's speed; differentiate through
+        `weights()` (its leaves are the parameters; `input_proj` would be a leaf of its own)."""
+        weights = self.weights()
+        if weights.indexer is None:
+            # Only CSA layers: their 7 input GEMMs are what XLA merged (with the copy); an HCA
+            # layer's 4 ran slower as one on the H200 (B = 1: 0.17 against 0.12 ms a layer).
+            return weights
+        hit = _STEP_WEIGHTS.get(self)
+        if hit is None or hit[0] is not weights:
+            hit = _STEP_WEIGHTS[self] = (weights, fuse_input_projections(weights))
+        return hit[1]
+
+    def _probed_step_weights(self) -> tuple:
+        """(the probe of the parameters `weights()` was made from, or None, `step_weights()`):
+        what the call path holds to reuse the pytree while the probe `holds()`."""
+        weights = self.step_weights()
+        return _WEIGHTS[self][0], weights
+
+    @property
+    def compute_dtype(self):
+        """The dtype the layer computes in (and its cache holds): `dtype`, else `param_dtype`."""
+        return jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
+
+    def step_spec(self, return_intermediates: bool = False, checks: bool = False) -> StepSpec:
+        """The static description of the compiled step this layer runs (inputs of any float dtype:
+        they are cast to the layer's `compute_dtype`). `return_intermediates`: the step that also
+        returns `Intermediates`; `checks`: the step with in-graph `checkify` checks
+        (`check_in_graph`), to run under `checkify.checkify`. Memoized per value of everything it
+        reads (the layer's options and the mesh)."""
+        mesh = self.mesh if self.mesh is not None else sharding.context_mesh()
+        key = (mesh, self.sharding_rules, self.break_mode, self.break_on, self.kernels, self.dtype,
+               self.param_dtype, self.precision, self.query_block, bool(return_intermediates), bool(checks),
+               self.numerics, self.overlap)
+        specs = _SPECS.setdefault(self, {})
+        spec = specs.get(key)
+        if spec is None:
+            spec = specs[key] = self._new_step_spec(mesh, return_intermediates, checks)
+        return spec
+
+    def _new_step_spec(self, mesh, return_intermediates: bool, checks: bool) -> StepSpec:
+        layout = None if mesh is None else sharding.layout(self.config, mesh, self.sharding_rules)
+        plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout,
+                                 overlap=overlap_mod.check_overlap(self.overlap))
+        dtype = self.compute_dtype
+        precision = self.precision
+        if precision is None and jnp.dtype(dtype) == jnp.float32:
+            precision = jax.lax.Precision.HIGHEST
+        return StepSpec(cfg=self.config, layer_type=self.layer_type, plan=plan,
+                        dtype=jnp.dtype(dtype), precision=precision, query_block=self.query_block,
+                        return_intermediates=bool(return_intermediates), checks=bool(checks),
+                        numerics=numerics_mod.check_numerics(self.numerics))
+
+    def __call__(self, hidden_states, positions, cache: AttentionCache, *, return_intermediates: bool = False):
+        """Run the layer on S new tokens per row and return ``(out, cache)``.
+
+        hidden_states: [B, S, hidden] float; positions: int [B, S]: row b's real tokens
+        continue its length (``cache.length[b], cache.length[b] + 1, ...``), then -1 pads the
+        row to S (ragged batches: rows may differ in length and in new tokens; padded slots
+        output zeros and write nothing; at least one real token per call). ``positions=None``:
+        every slot real, each row continuing its cache (`cache.next_positions`); under a jit
+        they are then computed from the cache's length inside the program (a decode step
+        that takes no positions argument; see `attention_step`).
+        With ``return_intermediates=True`` returns ``(out, cache, Intermediates)``; off by
+        default, and then nothing extra is computed (it is a separate compiled step).
+
+        Runs compiled code: the first call of each (layer type, shapes, options) compiles, later
+        calls (e.g. every decode step, and every layer of the same type) reuse it. Inside a
+        user's `jax.jit`/`nnx.jit` it is traced: the value checks are skipped (or, with
+        ``checkify=True``, become `checkify` checks), and a call past `max_seq_len` leaves the
+        cache unchanged and returns NaN (see `attention_step`).
+        """
+        return call_path.call(self, hidden_states, positions, cache, return_intermediates)
+
+
+_FIELD_NAMES.update({
+    DeepseekV4Attention: tuple(f.name for f in dataclasses.fields(AttentionWeights) if f.name not in DERIVED_WEIGHTS),
+    Compressor: tuple(f.name for f in dataclasses.fields(CompressorWeights)),
+    Indexer: tuple(f.name for f in dataclasses.fields(IndexerWeights)),
+})

@@ -1,0 +1,202 @@
+"""The indexer's scoring of a prefill as one Pallas kernel: Hopper's warpgroup MMAs for its GEMM.
+
+The lightning indexer scores every (query, entry) pair: relu(q_h . k) * c^-1/2 * w_h summed over
+its nI heads, a GEMM of [S * nI, c] queries against [T, c] keys per row. In a long CSA prefill
+that GEMM is most of the layer's work (bench/RESULTS.md, "Where a CSA prefill goes": the
+selection 56% of a 64k prefill's device time, 70% at 128k). The native handler's scoring
+(csrc/select_topk_cuda.cu `ScoreKernelMma`) issues `mma.sync` and runs at ~175 TFLOP/s on an
+H200; this kernel's products are one `dot` per tile, which Triton lowers to `wgmma`, and it
+scored a query block of 256 against 65,536 / 262,144 entries in 0.68 / 2.75 ms against the
+handler's 1.57 / 6.25 ms (bench/topk.py `select_prefill`, session 43). The handler's top-k then
+picks from its scores (`native.topk`), so the picks keep the module contract (csrc/select_topk.h).
+
+    queries [B, S, nI, c] bf16, weights float32 [B, S, nI], keys [B, T, c] bf16, visible int [B, S]
+      -> scores float32 [B, S, T]  (entries t >= visible[b, s] are -inf)
+
+    grid (B * S, ceil(T / (block * tiles))); program (r, j) scores query row r = b * S + s against
+    `tiles` key blocks of `block` entries from j * block * tiles, looping over them (Triton
+    pipelines the loop's key loads); blocks wholly past the row's visible entries are not loaded.
+    per block: dots = keys[block, c] @ q[nI, c]^T (float32 accumulation) -> [block, nI];
+               score = sum over heads of relu(dots) * c^-1/2 * w -> [block]
+
+Numerics: the reference's formula (`indexer._block_scores`: relu(q.k) * c^-1/2 * w, summed over
+heads, -0.0 folded into +0.0). bf16 products are exact in float32; only the order of the float32
+sums differs from the XLA twin and from the native handler (~1e-7 relative), so near-ties can
+swap places in the picks' order (as between the handler and the XLA twin in bf16 already;
+docs/DEVELOPING.md). float32 inputs are not taken: Triton's dot would round them to TF32.
+
+Where it runs is the step's `KernelPlan` (``select_scores``): by default on CUDA for bf16 calls of
+several queries a row (prefill chunks) where the native selection runs; a decode step (one query a
+row) keeps the handler's scoring, which measured faster there (bench/topk.py `select_fp4`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from dsv4_jax.backend import Array
+
+BLOCK = 128     # entries a block: one wgmma tile of keys
+TILES = 8       # blocks a program loops over (its key loads pipelined)
+NUM_WARPS = 8   # measured against 4 at 64k / 262k entries: 681 / 2746 us against 697 / 2785
+NUM_STAGES = 3
+
+
+def decode_fp4(codes: Array, scale_bytes: Array, dtype) -> Array:
+    """MXFP4 keys to `dtype`, as `numerics.dequantize_bits(numerics.unpack_fp4(codes), ...)`:
+    codes uint8 [n, c / 2] (channel 2i in the low nibble of byte i), scale_bytes uint8
+    [n, c / 32] (``2 ** (byte - 127)``, 0 -> zero) -> [n, c]. Each value is the float32 product
+    of its e2m1 value and its block's scale, then one rounding to `dtype` (exact where the
+    product is): the bf16 cache's keys, bit for bit. Arithmetic the Triton lowering takes (no
+    table lookups): integer ops, a bitcast for the scale, one interleave of the two nibbles."""
+    n, half = codes.shape
+    blocks = scale_bytes.shape[-1]
+
+    def value(code):  # int32 e2m1 codes (sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32
+        exponent, mantissa = (code & 7) >> 1, (code & 1).astype(jnp.float32)
+        power = jnp.left_shift(1, jnp.maximum(exponent - 1, 0)).astype(jnp.float32)
+        magnitude = jnp.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
+        return jnp.where(code >= 8, -magnitude, magnitude)  # code 8 is -0.0, as unpack_fp4's
+
+    wide = codes.astype(jnp.int32)
+    scale = jax.lax.bitcast_convert_type(jnp.left_shift(scale_bytes.astype(jnp.int32), 23), jnp.float32)
+    per_byte = jnp.broadcast_to(scale[:, :, None], (n, blocks, half // blocks)).reshape(n, half)
+    pairs = jnp.stack([value(wide & 15) * per_byte, value(wide >> 4) * per_byte], axis=-1)  # [n, c / 2, 2]
+    return pairs.reshape(n, 2 * half).astype(dtype)
+
+
+def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: float, seq: int, slots: int,
+            dtype):
+    *key_refs, out_ref = refs  # keys [B, T, c], or codes [B, T, c/2] and scale bytes [B, T, c/32]; out [R, T]
+    r = pl.program_id(0)
+    source = r // seq
+    first = pl.program_id(1) * block * tiles
+    visible = visible_ref[0]
+    n_loaded = jnp.clip((visible - first + block - 1) // block, 0, tiles)
+    n_blocks = jnp.clip((slots - first + block - 1) // block, 0, tiles)  # blocks inside [0, T)
+    q = q_ref[0]                              # [nI, c]
+    w = w_ref[0].astype(jnp.float32)          # [nI]
+    entries = jnp.arange(block, dtype=jnp.int32)
+    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    ragged = slots % block != 0  # static: a partial last block, its loads and stores masked
+
+    def load(ref, start):
+        at = ref.at[source, pl.ds(start, block), :]
+        if not ragged:
+            return at[...]
+        return plgpu.load(at, mask=(start + entries < slots)[:, None], other=0)
+
+    def store(start, values):
+        at = out_ref.at[r, pl.ds(start, block)]
+        if ragged:
+            plgpu.store(at, values, mask=start + entries < slots)
+        else:
+            at[...] = values
+
+    def keys_at(start):  # [block, c] in the compute dtype
+        if len(key_refs) == 1:
+            return load(key_refs[0], start)
+        return decode_fp4(load(key_refs[0], start), load(key_refs[1], start), dtype)
+
+    def score_block(n, carry):
+        start = first + n * block
+        k = keys_at(start)
+        # float32 runs only in interpret mode (tests), whose dots on a GPU would otherwise be TF32.
+        dots = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=exact,
+                                   preferred_element_type=jnp.float32)
+        s = (jnp.maximum(dots, 0.0) * jnp.float32(scale) * w[None, :]).sum(axis=1)  # [block]
+        s = jnp.where(s == 0.0, jnp.float32(0.0), s)  # fold -0.0 into +0.0: ties must compare equal
+        store(start, jnp.where(start + entries < visible, s, -jnp.inf))
+        return carry
+
+    jax.lax.fori_loop(0, n_loaded, score_block, 0)
+
+    def unloaded(n, carry):  # blocks past the row's visible entries
+        store(first + n * block, jnp.full((block,), -jnp.inf, jnp.float32))
+        return carry
+
+    jax.lax.fori_loop(n_loaded, n_blocks, unloaded, 0)
+
+
+def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, tiles, num_warps, num_stages):
+    batch, seq, heads, dim = queries.shape
+    slots = key_arrays[0].shape[1]
+    extra = {}
+    if not interpret:
+        extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    rows = batch * seq
+    whole = pl.no_block_spec  # the keys and the scores: each program reads and writes its span itself
+    out = pl.pallas_call(
+        functools.partial(_kernel, block=block, tiles=tiles, scale=dim ** -0.5, seq=seq, slots=slots, dtype=dtype),
+        grid=(rows, -(-slots // (block * tiles))),
+        in_specs=[
+            pl.BlockSpec((1,), lambda r, j: (r,)),
+            pl.BlockSpec((1, heads, dim), lambda r, j: (r, 0, 0)),
+            pl.BlockSpec((1, heads), lambda r, j: (r, 0)),
+            *[whole] * len(key_arrays),
+        ],
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((rows, slots), jnp.float32),
+        interpret=interpret,
+        name="indexer_scores_kernel",
+        **extra,
+    )(visible.astype(jnp.int32).reshape(rows), queries.reshape(rows, heads, dim),
+      weights.astype(jnp.float32).reshape(rows, heads), *key_arrays)
+    return out.reshape(batch, seq, slots)
+
+
+def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *, interpret: bool = False,
+                 block: int = BLOCK, tiles: int = TILES, num_warps: int = NUM_WARPS,
+                 num_stages: int = NUM_STAGES) -> Array:
+    """`indexer.index_scores` by the kernel: float32 [B, S, T] (see the module doc).
+
+    Any T: a partial last block of keys is loaded and its scores stored under a mask (no
+    padded copy of the keys, no cut of the scores). No gradient: the native selection
+    differentiates its scores as the XLA twin's (`breaks._scores_with_gradient`).
+    """
+    return _call(queries, weights, (keys,), visible, dtype=keys.dtype, interpret=interpret, block=block,
+                 tiles=tiles, num_warps=num_warps, num_stages=num_stages)
+
+
+def index_scores_fp4(queries: Array, weights: Array, codes: Array, scale_bytes: Array, visible: Array, *,
+                     dtype=jnp.bfloat16, interpret: bool = False, block: int = BLOCK, tiles: int = TILES,
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> Array:
+    """`index_scores` over an FP8 cache's indexer keys in their stored form (`QuantizedRows`
+    of grid "fp4": codes uint8 [B, T, c / 2], scale_bytes uint8 [B, T, c / 32]), each key
+    decoded where it is loaded (`decode_fp4`) to `dtype`, the cache's: 68 bytes a key read
+    instead of 256, and the scores of `index_scores` over the dequantized keys, bit for bit
+    (the same values through the same dot; tests/test_indexer_kernel.py)."""
+    if codes.shape[-1] % scale_bytes.shape[-1] or (2 * codes.shape[-1]) // scale_bytes.shape[-1] != 32:
+        raise ValueError(f"scale_bytes: expected one scale per 32 channels of {2 * codes.shape[-1]}, got "
+                         f"{scale_bytes.shape[-1]}")
+    return _call(queries, weights, (codes, scale_bytes), visible, dtype=dtype, interpret=interpret, block=block,
+                 tiles=tiles, num_warps=num_warps, num_stages=num_stages)
+
+
+def supported(queries: Array, keys: Array) -> bool:
+    """Whether the Triton kernel takes these operands: bf16 queries and keys (a float32 dot would
+    be TF32), heads and channels powers of two of at least 16 (one MMA tile)."""
+
+    def pow2_tile(x):
+        return x >= 16 and x & (x - 1) == 0
+
+    return (queries.dtype == jnp.bfloat16 and keys.dtype == jnp.bfloat16
+            and pow2_tile(queries.shape[-2]) and pow2_tile(queries.shape[-1]))
+
+
+def choose(choice: str, queries: Array, keys: Array) -> str:
+    """How a native selection of these operands scores (`KernelPlan.select_scores`, resolved for
+    the step's platform): "pallas" (the Triton kernel), "interpret" (the kernel in interpret
+    mode) or "native" (the handler's own scoring). "auto" is "pallas" for calls of several
+    queries a row that the kernel takes, else "native"."""
+    if choice == "auto":
+        several = queries.shape[1] > 1
+        return "pallas" if several and supported(queries, keys) else "native"
+    if choice == "pallas" and not supported(queries, keys):
+        return "native"
+    return choice
