@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax.layer.validation  # noqa: E402
-import dsv4_jax.step.breaks  # noqa: E402
+import dsv4_jax.step.plan  # noqa: E402
 import dsv4_jax.step.overlap  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
@@ -194,8 +194,8 @@ def base_record(args, env, cfg, case, mode, dtype_name) -> dict:
     plan = None
     if settings is not None:
         try:  # what actually ran: the resolved break plan of this layer type on this platform
-            plan = dsv4_jax.step.breaks.plan_break(layer_type, settings["break_mode"], settings["break_on"],
-                                              settings["kernels"], env["platform"])
+            plan = dsv4_jax.step.plan.plan_step(layer_type, settings["break_mode"], settings["break_on"],
+                                                settings["kernels"], env["platform"])
         except ValueError:
             plan = None
     return {

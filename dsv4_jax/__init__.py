@@ -26,8 +26,8 @@ from dsv4_jax.layer.module import DeepseekV4Attention
 from dsv4_jax.native import native_info
 from dsv4_jax.ops.kernel_plan import KERNELS, KernelPlan
 from dsv4_jax.step import sharding  # noqa: F401
-from dsv4_jax.step.breaks import BREAK_MODES, BREAK_PLACES, BreakPlan
 from dsv4_jax.step.overlap import OVERLAP_CHOICES, compiler_options
+from dsv4_jax.step.plan import BREAK_MODES, BREAK_PLACES, BreakPlan, StepPlan
 from dsv4_jax.step.pure_step import AttentionWeights, Intermediates, attention_step
 from dsv4_jax.tools import long_context  # noqa: F401
 from dsv4_jax.tools.indexer_loss import indexer_kl_loss
@@ -111,6 +111,7 @@ __all__ = [
     "DeepseekV4Config",
     "Intermediates",
     "KernelPlan",
+    "StepPlan",
     "YarnScaling",
     "attention_step",
     "compiler_options",

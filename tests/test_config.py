@@ -12,6 +12,7 @@ import pytest
 
 from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Attention, DeepseekV4Config, YarnScaling
 from dsv4_jax.backend import QUERY_BLOCK
+from dsv4_jax.ops.indexer import native as indexer_native
 from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.ops.sparse_attention.reference import sparse_attention
 from dsv4_jax.step import breaks
@@ -105,8 +106,8 @@ def test_sizes_derived_from_the_config():
         "select_topk(block)": inspect.signature(indexer.select_topk).parameters["block"].default,
         "index_scores(block)": inspect.signature(indexer.index_scores).parameters["block"].default,
         "sparse_attention(block)": inspect.signature(sparse_attention).parameters["block"].default,
-        "_select_on_host(block)": inspect.signature(breaks._select_on_host).parameters["block"].default,
-        "_select_native(block)": inspect.signature(breaks._select_native).parameters["block"].default,
+        "_select_on_host(block)": inspect.signature(breaks.select_on_host).parameters["block"].default,
+        "_select_native(block)": inspect.signature(indexer_native.select_native).parameters["block"].default,
     }
     assert defaults == dict.fromkeys(defaults, QUERY_BLOCK) and QUERY_BLOCK == 256
 

@@ -24,7 +24,7 @@ import dsv4_jax
 from dsv4_jax import native
 from dsv4_jax.config import CSA, HCA
 from dsv4_jax.ops.indexer import reference as indexer
-from dsv4_jax.step import breaks
+from dsv4_jax.step.plan import plan_step
 from dsv4_jax.tools.diagnostics import run_schedule
 
 needs_native = pytest.mark.skipif(not NATIVE_BUILT, reason="native handlers not built for this platform")
@@ -283,10 +283,10 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     # dequantized copy of the keys). Pinned: on CUDA "auto" scores these 4 queries a row with the
     # Pallas kernel, which reads a dequantized copy unless select_keys="stored" (tests/test_indexer_kernel.py).
     handler_scoring = dsv4_jax.KernelPlan(select="native", select_scores="native")
-    select = breaks.plan_break(CSA, "none", kernels=handler_scoring).indexer_select()
+    select = plan_step(CSA, "none", kernels=handler_scoring).indexer_select()
     lowered = jax.jit(lambda q, w, rows, v: select(q, w, rows, v, top_k=64).picks).lower(q, w, rows, visible)
     assert "dsv4_select_topk_fp4" in lowered.as_text()
-    copy = breaks.plan_break(CSA, "none", kernels=dataclasses.replace(handler_scoring, select_keys="dequantized"))
+    copy = plan_step(CSA, "none", kernels=dataclasses.replace(handler_scoring, select_keys="dequantized"))
     lowered = jax.jit(lambda q, w, rows, v: copy.indexer_select()(q, w, rows, v, top_k=64).picks).lower(
         q, w, rows, visible)
     assert "dsv4_select_topk_fp4" not in lowered.as_text() and "dsv4_select_topk" in lowered.as_text()
@@ -337,7 +337,7 @@ def _where(plan):
 
 
 def test_plan_resolves_each_choice_once():
-    plan = breaks.plan_break
+    plan = plan_step
     assert _where(plan(CSA, "narrow", "host")) == ("narrow", "host", False)
     assert _where(plan(CSA, "wide", "auto")) == ("wide", "host", False)
     assert _where(plan(HCA, "narrow", "device")) == ("none", None, False)  # nothing to break
@@ -349,21 +349,21 @@ def test_plan_resolves_each_choice_once():
 
 def test_plan_errors_name_the_argument(monkeypatch):
     with pytest.raises(ValueError, match=r"break_on: 'device' is not available with break_mode='wide'"):
-        breaks.plan_break(CSA, "wide", "device")
+        plan_step(CSA, "wide", "device")
     with pytest.raises(ValueError, match=r"break_on: expected one of \('auto', 'host', 'device'\), got 'gpu'"):
-        breaks.plan_break(CSA, "narrow", "gpu")
+        plan_step(CSA, "narrow", "gpu")
     with pytest.raises(ValueError, match=r"kernels: expected one of \('auto', 'xla', 'native', 'interpret'\) or a "
                                          r"dsv4_jax.KernelPlan, got 'pallas'"):
         dsv4_jax.DeepseekV4Attention(dsv4_jax.DeepseekV4Config.tiny(), 1, rngs=nnx.Rngs(0), kernels="pallas")
     with pytest.raises(ValueError, match=r"break_on='device': needs the native indexer handlers, but kernels='xla'"):
-        breaks.plan_break(CSA, "narrow", "device", "xla")
+        plan_step(CSA, "narrow", "device", "xla")
     # A machine where nothing was built: "auto" falls back to the host, "device" says how to build.
     monkeypatch.setattr(native, "unavailable_reason", lambda platform: "dsv4_jax._native_cpu is not built; pip install")
     monkeypatch.setattr(native, "available", lambda platform: False)
-    assert _where(breaks.plan_break(CSA, "narrow", "auto")) == ("narrow", "host", False)
-    assert _where(breaks.plan_break(CSA, "none", "auto")) == ("none", None, False)
+    assert _where(plan_step(CSA, "narrow", "auto")) == ("narrow", "host", False)
+    assert _where(plan_step(CSA, "none", "auto")) == ("none", None, False)
     with pytest.raises(ValueError, match=r"break_on=.device.: the native indexer handlers are not usable.*pip install"):
-        breaks.plan_break(CSA, "narrow", "device")
+        plan_step(CSA, "narrow", "device")
 
 
 def test_native_info_says_what_was_built():

@@ -100,9 +100,7 @@ _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_CALL_KEYS = 64  # input structures remembered per layer (then the memo starts over)
 
 
-_LAYER_FIELDS = operator.attrgetter("config", "layer_idx", "layer_type", "break_mode", "break_on", "kernels",
-                                     "dtype", "param_dtype", "precision", "query_block", "donate_cache",
-                                     "checkify", "mesh", "sharding_rules", "numerics", "overlap")
+_LAYER_FIELDS = operator.attrgetter("config", "layer_idx", "layer_type", "options", "mesh")
 
 
 def _layer_state(layer) -> tuple:

@@ -3,7 +3,7 @@
 The module holds the parameters (`Compressor` and `Indexer` are its submodules), makes the
 cache (`init_cache`), hands out its parameters as the step's pytree (`weights`,
 `step_weights`) and its static description (`step_spec`: the `StepSpec` with the one
-`BreakPlan`, break and kernels resolved together). The step itself, its stages and its
+`StepPlan`, break and kernels resolved together). The step itself, its stages and its
 compiled versions are `dsv4_jax.step.pure_step`; the eager call (checks, memo, host length mirror) is
 `dsv4_jax.layer.call`, to which `__call__` hands over.
 """
@@ -19,17 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv4_jax import numerics as numerics_mod
-from dsv4_jax.backend import QUERY_BLOCK, Array
+from dsv4_jax.backend import Array
 from dsv4_jax.cache.contiguous import AttentionCache, init_attention_cache
 from dsv4_jax.cache.quantized import check_kv_cache_dtype
 from dsv4_jax.config import CSA, HCA, DeepseekV4Config
 from dsv4_jax.layer import call as call_path
 from dsv4_jax.layer import validation
+from dsv4_jax.layer.options import OPTION_NAMES, LayerOptions, option_property
 from dsv4_jax.ops.compress.reference import CompressorWeights
 from dsv4_jax.ops.indexer.reference import IndexerWeights
-from dsv4_jax.step import breaks, sharding
-from dsv4_jax.step import overlap as overlap_mod
+from dsv4_jax.step import sharding
+from dsv4_jax.step.plan import plan_step
 from dsv4_jax.step.pure_step import DERIVED_WEIGHTS, AttentionWeights, StepSpec, fuse_input_projections
 
 
@@ -196,67 +196,15 @@ class DeepseekV4Attention(nnx.Module):
     >>> cache = attn.init_cache(batch_size=2, max_seq_len=4096)
     >>> out, cache = attn(hidden_states, positions, cache)   # [B,S,hidden], int32 [B,S]
 
-    Arguments:
-      break_mode:   "narrow" (default; the indexer's scoring + top-k in a break), "none"
-                    (no break) or "wide" (wq_b_kv_insert + compressors + indexer on the
-                    host). Same picks and outputs in every mode. An attribute: it may be
-                    changed between calls (each mode compiles once).
-      break_on:     where the narrow break runs: "device" (a native XLA FFI custom call on
-                    the step's device, an eager break that never leaves it), "host" (a
-                    `jax.pure_callback` into NumPy) or "auto" (default: "device" where the
-                    native handlers are built for the platform, see `dsv4_jax.native_info()`,
-                    else "host"). The wide break is always on the host. An attribute.
-      kernels:      "auto" (default: native handlers where built; with break_mode="none" the
-                    selection then runs the graph-compatible native handler, no break),
-                    "native" (require them) or "xla" (XLA reference ops only, e.g. `lax.top_k`).
-      dtype:        compute dtype; None (default) = `param_dtype`: a bf16 layer computes in
-                    bf16 and casts float32 inputs to bf16 (its cache and output are bf16); a
-                    float32 layer computes bf16 inputs in float32. (flax's `nnx.Linear`
-                    promotes instead; here the cache's dtype must be known before the first
-                    input is seen, so the layer alone decides.) Set it to compute in another
-                    dtype than the weights, e.g. ``dtype=jnp.float32`` with bf16 weights.
-      param_dtype:  dtype of the projection weights. Norm weights, sinks and position biases
-                    stay float32, as the reference keeps them.
-      precision:    `jax.lax.Precision` of the matmuls. None (default) means HIGHEST for a
-                    float32 compute dtype (true float32 on GPUs too, where XLA's default
-                    would use TF32) and the backend default for bf16.
-      query_block:  queries processed at a time by the indexer scoring and sparse attention
-                    (bounds the memory of long prefills).
-      donate_cache: donate the input cache's buffers to the step (in-place updates; the
-                    cache passed in becomes unusable after a successful call).
-      check_finite: reject NaN/inf in `hidden_states`: True (every concrete input; an
-                    accelerator array inside the step, its verdict read after it, or before
-                    dispatch with a device sync where the cache is donated), "host" (NumPy
-                    inputs only), False (none: NaN reaches the output and the cache). None
-                    (default): `dsv4_jax.layer.validation.CHECK_FINITE`, which is True.
-      checkify:     False (default) or True: under your own `jax.jit`, where the value checks
-                    cannot run on the host, put them into the step as
-                    `jax.experimental.checkify.check`s (each row's positions continue its
-                    length, padding only after a row's real tokens, room left; messages as
-                    the eager ones). Then wrap your
-                    function in `checkify.checkify` (``jax.jit(checkify.checkify(f))``) and
-                    call ``err.throw()``. Eager calls are checked on the host and run the
-                    usual step either way. An attribute.
-      mesh:         a `jax.sharding.Mesh` (axes "data" for the batch, "model" for the heads;
-                    `dsv4_jax.step.sharding.make_mesh`) to run on: the parameters are placed on it
-                    by their logical axes, `init_cache` makes a batch-sharded cache, and the
-                    breaks run per batch shard. None (default): no mesh of its own; the step
-                    then takes the mesh of an enclosing ``jax.set_mesh(...)``, or (eager calls)
-                    the one the cache is sharded over. An attribute; see `dsv4_jax.step.sharding`.
-      sharding_rules: (logical axis, mesh axis or None) pairs overriding
-                    `dsv4_jax.step.sharding.LOGICAL_AXIS_RULES` (None: the defaults).
-      numerics:     "reference" (default: Hugging Face transformers' numerics, exactly) or
-                    "official" (DeepSeek's own inference: the window and compressed KV on an FP8
-                    grid, the indexer's queries and keys Hadamard-rotated onto an FP4 grid;
-                    docs/numerics.md). The same in every break mode and on every device. An
-                    attribute.
-      overlap:      "auto" (default), "on" or "off": the step's independent stages (the query
-                    path with wq_b_kv_insert, the compressors, the indexer's queries and keys)
-                    may run side by side on the GPU (XLA's concurrent command buffers, the
-                    parallel half of vLLM PR #45309; `dsv4_jax.step.overlap`). Identical results;
-                    "auto" is on where it measured faster (CUDA). No effect off CUDA, nor on a
-                    step traced inside your own `jax.jit` (give that jit
-                    ``compiler_options=dsv4_jax.compiler_options()``). An attribute.
+    Options (keyword arguments, each also a settable attribute): `LayerOptions`'s fields
+    (break_mode, break_on, kernels, dtype, param_dtype, precision, query_block, donate_cache,
+    check_finite, checkify, sharding_rules, numerics, overlap), held as ``attn.options``.
+    mesh: a `jax.sharding.Mesh` (axes "data" for the batch, "model" for the heads;
+    `dsv4_jax.step.sharding.make_mesh`) to run on: the parameters are placed on it by their
+    logical axes, `init_cache` makes a batch-sharded cache, and the breaks run per batch shard.
+    None (default): no mesh of its own; the step then takes the mesh of an enclosing
+    ``jax.set_mesh(...)``, or (eager calls) the one the cache is sharded over. An attribute;
+    see `dsv4_jax.step.sharding`.
 
     Parameters (JAX [in, out] layout): ``q_a_proj [hidden, Lq]``, ``q_a_norm [Lq]``,
     ``q_b_proj [Lq, H*D]``, ``kv_proj [hidden, D]``, ``kv_norm [D]``,
@@ -265,32 +213,16 @@ class DeepseekV4Attention(nnx.Module):
     `dsv4_jax.load_hf_attention_weights`.
     """
 
-    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs,
-                 break_mode: str = "narrow", break_on: str = "auto", kernels: str = "auto", dtype=None,
-                 param_dtype=jnp.float32, precision=None, query_block: int = QUERY_BLOCK,
-                 donate_cache: bool = False,
-                 check_finite=None, checkify: bool = False, mesh=None, sharding_rules=None,
-                 numerics: str = "reference", overlap: str = "auto"):
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs, mesh=None, **options):
         if not isinstance(config, DeepseekV4Config):
             raise TypeError(f"config: expected a DeepseekV4Config, got {type(config).__name__}")
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"{unknown[0]}: not an option of DeepseekV4Attention; expected one of {OPTION_NAMES}")
+        self.options = LayerOptions(**options)
         self.config = config
         self.layer_idx = layer_idx
         self.layer_type = config.layer_type(layer_idx)
-        self.break_mode = breaks.check_break_mode(break_mode)
-        self.break_on = breaks.check_break_on(break_on)
-        self.kernels = breaks.check_kernels(kernels)
-        self.numerics = numerics_mod.check_numerics(numerics)
-        self.overlap = overlap_mod.check_overlap(overlap)
-        self.dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
-        self.param_dtype = validation.check_float_dtype("param_dtype", param_dtype)
-        self.precision = precision
-        if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
-            raise ValueError(f"query_block: expected a positive int, got {query_block!r}")
-        self.query_block = query_block
-        self.donate_cache = bool(donate_cache)
-        validation.check_finite_mode(check_finite)
-        self.check_finite = check_finite
-        self.checkify = bool(checkify)
 
         c, h, d = config, config.num_attention_heads, config.head_dim
         pd = self.param_dtype
@@ -313,10 +245,8 @@ class DeepseekV4Attention(nnx.Module):
         )
         self.indexer = Indexer(c, rngs=rngs, param_dtype=pd) if self.layer_type == CSA else None
         self.mesh = None
-        # Hashable (the module's static attributes key `nnx.jit`'s cache): a tuple over every logical axis.
-        self.sharding_rules = None if sharding_rules is None else sharding.check_rules(sharding_rules)
         if mesh is not None:
-            sharding.shard_layer(self, mesh, sharding_rules)
+            sharding.shard_layer(self, mesh, self.sharding_rules)
 
     # ------------------------------------------------------------------ public API
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None, *,
@@ -394,7 +324,7 @@ class DeepseekV4Attention(nnx.Module):
     @property
     def compute_dtype(self):
         """The dtype the layer computes in (and its cache holds): `dtype`, else `param_dtype`."""
-        return jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
+        return self.options.compute_dtype
 
     def step_spec(self, return_intermediates: bool = False, checks: bool = False) -> StepSpec:
         """The static description of the compiled step this layer runs (inputs of any float dtype:
@@ -403,9 +333,7 @@ class DeepseekV4Attention(nnx.Module):
         (`check_in_graph`), to run under `checkify.checkify`. Memoized per value of everything it
         reads (the layer's options and the mesh)."""
         mesh = self.mesh if self.mesh is not None else sharding.context_mesh()
-        key = (mesh, self.sharding_rules, self.break_mode, self.break_on, self.kernels, self.dtype,
-               self.param_dtype, self.precision, self.query_block, bool(return_intermediates), bool(checks),
-               self.numerics, self.overlap)
+        key = (mesh, self.options, bool(return_intermediates), bool(checks))
         specs = _SPECS.setdefault(self, {})
         spec = specs.get(key)
         if spec is None:
@@ -414,8 +342,8 @@ class DeepseekV4Attention(nnx.Module):
 
     def _new_step_spec(self, mesh, return_intermediates: bool, checks: bool) -> StepSpec:
         layout = None if mesh is None else sharding.layout(self.config, mesh, self.sharding_rules)
-        plan = breaks.plan_break(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout,
-                                 overlap=overlap_mod.check_overlap(self.overlap))
+        plan = plan_step(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout,
+                         overlap=self.overlap)
         dtype = self.compute_dtype
         precision = self.precision
         if precision is None and jnp.dtype(dtype) == jnp.float32:
@@ -423,7 +351,7 @@ class DeepseekV4Attention(nnx.Module):
         return StepSpec(cfg=self.config, layer_type=self.layer_type, plan=plan,
                         dtype=jnp.dtype(dtype), precision=precision, query_block=self.query_block,
                         return_intermediates=bool(return_intermediates), checks=bool(checks),
-                        numerics=numerics_mod.check_numerics(self.numerics))
+                        numerics=self.numerics)
 
     def __call__(self, hidden_states, positions, cache: AttentionCache, *, return_intermediates: bool = False):
         """Run the layer on S new tokens per row and return ``(out, cache)``.
@@ -446,6 +374,9 @@ class DeepseekV4Attention(nnx.Module):
         """
         return call_path.call(self, hidden_states, positions, cache, return_intermediates)
 
+
+for _name in OPTION_NAMES:  # attn.break_mode, ...: the options, settable one at a time
+    setattr(DeepseekV4Attention, _name, option_property(_name))
 
 _FIELD_NAMES.update({
     DeepseekV4Attention: tuple(f.name for f in dataclasses.fields(AttentionWeights) if f.name not in DERIVED_WEIGHTS),

@@ -56,7 +56,7 @@ reference on other platforms), "interpret" or "xla"; ``select``: "auto", "native
 ``select_scores``: "auto", "native", "pallas" or "interpret".
 
 The plan is resolved once per step (`resolve`, for the step's platform) and sits in the step's
-static identity (`breaks.BreakPlan.kernels`, part of `StepSpec`): changing `kernels` between
+static identity (`StepPlan.kernels`, part of `StepSpec`): changing `kernels` between
 calls compiles the program it names, never reuses a stale one. Nothing here is read from a
 module global at trace time.
 

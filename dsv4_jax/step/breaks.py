@@ -1,4 +1,4 @@
-"""The break boundary: which stages leave the XLA program, where they run, per `BreakPlan`.
+"""The break boundary: which stages leave the XLA program and how they run there (per `plan.StepPlan`).
 
 This mirrors vLLM's "breakable CUDA graph" (PR #45309): code that cannot be captured runs
 eagerly between graph segments. In XLA the analogue is an op inside the jitted step that
@@ -21,7 +21,7 @@ mode       ``break_on="host"``                     ``break_on="device"``
            indexer in NumPy (vLLM before #45309)
 =========  ======================================  ==========================================
 
-All of it is decided once, at trace time, by `plan_break` into a `BreakPlan` (a static part
+All of it is decided once, at trace time, by `plan.plan_step` into a `StepPlan` (a static part
 of the compiled step's identity): the compiled program never branches on it. The input
 GEMMs before the stages and the sparse attention and output projection after them always
 stay in-graph.
@@ -31,7 +31,7 @@ cache and visible-entry counts go down and int32 picks [B, S, index_topk] (-1 pa
 back; the cache writes stay in-graph. In ``wide`` the callback takes the state it updates
 (window ring, compressor and indexer caches) and returns the new state with the picks.
 
-On a mesh (``BreakPlan.layout``, see `sharding`): the selection (every kind: host callback,
+On a mesh (``StepPlan.layout``, see `sharding`): the selection (every kind: host callback,
 native eager break, native graph handler, `lax.top_k`) and the wide break run inside
 `jax.shard_map`, per batch shard, never on a gathered global batch; a host callback runs on one
 device of each batch shard and its result reaches the shard's ``"model"`` replicas by a ``psum``.
@@ -54,7 +54,6 @@ nothing hangs, and the cache passed in is untouched (unless the layer donates it
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import threading
@@ -65,122 +64,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from dsv4_jax import native, numerics
-from dsv4_jax.backend import QUERY_BLOCK, map_query_blocks
-from dsv4_jax.cache.quantized import QuantizedRows, read
-from dsv4_jax.config import CSA, check_choice
-from dsv4_jax.ops.indexer import pallas as indexer_kernel
+from dsv4_jax.backend import QUERY_BLOCK
+from dsv4_jax.cache.quantized import read
 from dsv4_jax.ops.indexer import reference as indexer
-from dsv4_jax.ops.kernel_plan import REFERENCE, KernelPlan, as_kernel_plan
-from dsv4_jax.step import overlap as overlap_mod
 from dsv4_jax.step import sharding
-
-BREAK_MODES = ("none", "narrow", "wide")
-BREAK_PLACES = ("auto", "host", "device")
-
-
-def check_break_mode(break_mode: Any) -> str:
-    return check_choice("break_mode", break_mode, BREAK_MODES)
-
-
-def check_break_on(break_on: Any) -> str:
-    return check_choice("break_on", break_on, BREAK_PLACES)
-
-
-def check_kernels(kernels: Any) -> str | KernelPlan:
-    as_kernel_plan(kernels)  # raises a ValueError naming `kernels`
-    return kernels
-
-
-@dataclasses.dataclass(frozen=True)
-class BreakPlan:
-    """What runs where in one compiled step (hashable: part of the step's static identity).
-
-    mode:          the effective break mode; "narrow" on a layer without an indexer (sliding,
-                   HCA) has nothing to break and is "none", so both share one compiled step
-    place:         "host" or "device" where there is a break, else None
-    native_select: the indexer's selection is the native handler: the eager break
-                   (narrow/device) or the graph-compatible target (none)
-    layout:        a `sharding.MeshLayout` when the step runs on a mesh, else None: the breaks
-                   (and the native selection) then run per batch shard (`sharding.run_per_shard`)
-    kernels:       the `kernel_plan.KernelPlan` resolved for the step's platform: which stages
-                   run a Pallas kernel (and how), which their XLA reference
-    overlap:       the step's command buffers let independent stages run side by side
-                   (`dsv4_jax.step.overlap`; resolved for the platform: never off CUDA)
-    """
-
-    mode: str
-    place: str | None = None
-    native_select: bool = False
-    layout: Any = None
-    kernels: KernelPlan = REFERENCE
-    overlap: bool = False
-
-    def indexer_select(self) -> Callable[..., Any]:
-        """The `select_topk` that `step.run_stages` calls for this plan."""
-        if self.native_select:
-            select = functools.partial(_select_native, graph=self.mode == "none",
-                                       segments=self.kernels.select_segments,
-                                       select_keys=self.kernels.select_keys,
-                                       scoring=self.kernels.select_scores)
-        elif self.mode == "narrow":
-            select = _select_on_host
-        else:
-            select = indexer.select_topk
-        if self.layout is None:
-            return select
-        # On a mesh, per batch shard: a callback or a custom call is opaque to XLA's partitioner,
-        # which would gather the global batch onto one device (callbacks) or every device (custom
-        # calls) for it; and it also gathers the batch for `lax.top_k` (measured, jax 0.10).
-        return functools.partial(_select_per_shard, select, self.layout, once=self.place == "host")
-
-
-def plan_break(layer_type: str, break_mode: str, break_on: str = "auto", kernels: str | KernelPlan = "auto",
-               platform: str | None = None, layout: Any = None, overlap: str = "auto") -> BreakPlan:
-    """Resolve a layer's `break_mode`, `break_on`, `kernels` (a name or a `KernelPlan`) and
-    `overlap` for `platform` (default: jax's default backend) into its `BreakPlan`; the one place
-    these choices are made. `layout`: the step's `sharding.MeshLayout` (its breaks then run per
-    batch shard), or None."""
-    if platform is None and layout is not None and isinstance(layout.mesh, jax.sharding.Mesh):
-        platform = layout.mesh.devices.flat[0].platform  # the mesh's devices, not jax's default
-    plan = _plan_break(layer_type, break_mode, break_on, kernels, platform)
-    on = overlap_mod.resolve(overlap, native.platform_name(platform or jax.default_backend()))
-    return dataclasses.replace(plan, layout=layout, overlap=on)
-
-
-def _plan_break(layer_type: str, break_mode: str, break_on: str, kernels: str | KernelPlan,
-                platform: str | None) -> BreakPlan:
-    check_break_mode(break_mode)
-    check_break_on(break_on)
-    requested = as_kernel_plan(kernels)
-    platform = native.platform_name(platform or jax.default_backend())
-    plan = requested.resolve(platform, native.available(platform))
-    if break_mode == "wide":
-        if break_on == "device":
-            raise ValueError(
-                "break_on: 'device' is not available with break_mode='wide' (the wide break runs "
-                "wq_b_kv_insert, the compressors and the indexer in NumPy on the host); use "
-                "break_on='host' or 'auto', or break_mode='narrow' for a device break"
-            )
-        return BreakPlan(mode="wide", place="host", kernels=dataclasses.replace(plan, select="xla"))
-    if layer_type != CSA:  # no indexer: nothing to break, nothing to select (one step for every `select`)
-        return BreakPlan(mode="none", kernels=dataclasses.replace(plan, select="xla"))
-    if requested.select == "native" or (break_mode == "narrow" and break_on == "device"):
-        what = "kernels.select='native'" if requested.select == "native" else "break_on='device'"
-        _require_native(platform, requested.select, what)
-    use_native = plan.select == "native"
-    if break_mode == "none":
-        return BreakPlan(mode="none", native_select=use_native, kernels=plan)
-    place = "host" if break_on == "host" or (break_on == "auto" and not use_native) else "device"
-    return BreakPlan(mode="narrow", place=place, native_select=place == "device", kernels=plan)
-
-
-def _require_native(platform: str, select: str, what: str) -> None:
-    if select == "xla":
-        raise ValueError(f"{what}: needs the native indexer handlers, but kernels='xla' rules them out")
-    reason = native.unavailable_reason(platform)
-    if reason is not None:
-        raise ValueError(f"{what}: the native indexer handlers are not usable on {platform}: {reason}")
 
 
 class HostBreakError(RuntimeError):
@@ -306,7 +193,7 @@ def wide_host_call(fn: Callable[..., Any], *args):
     return call(*args)
 
 
-def _select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False,
+def select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False,
                     block=QUERY_BLOCK) -> indexer.Selection:
     """The narrow host break: `indexer.select_topk` in NumPy, inputs cut from differentiation.
 
@@ -316,75 +203,9 @@ def _select_on_host(queries, weights, keys, visible, *, top_k, with_scores=False
     return host_call(fn, *jax.lax.stop_gradient((queries, weights, read(keys))), visible)
 
 
-def _select_per_shard(select, layout, queries, weights, keys, visible, *, top_k, with_scores=False,
+def select_per_shard(select, layout, queries, weights, keys, visible, *, top_k, with_scores=False,
                       block=QUERY_BLOCK, once: bool) -> indexer.Selection:
     """`select` run per batch shard of a mesh (`sharding.run_per_shard`): every argument is
     ``[B, ...]``; `once` for a host callback (one device per batch shard calls the host)."""
     fn = functools.partial(select, top_k=top_k, with_scores=with_scores, block=block)
     return sharding.run_per_shard(fn, layout, (queries, weights, read(keys), visible), once=once)
-
-
-def _select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
-                   graph: bool, segments: int | None = None, select_keys: str = "auto",
-                   scoring: str = "native") -> indexer.Selection:
-    """The native selection, blocked over queries like `indexer.select_topk` (bounds the
-    [B, block, T] scores of long prefills); the eager break unless `graph`; `segments` as
-    `KernelPlan.select_segments`. `scoring`: `KernelPlan.select_scores` (resolved for the
-    platform); where it chooses the Pallas kernel (`indexer_kernel.choose`) the handler's top-k
-    picks from that kernel's scores. An FP8 cache's keys (`QuantizedRows`), by
-    `KernelPlan.select_keys`: the handler's scoring reads their stored form
-    (`native.select_topk_fp4`) unless "dequantized"; the Pallas kernel reads it
-    (`indexer_kernel.index_scores_fp4`) where "stored", else a dequantized copy ("auto": with
-    the stored form a CSA 64k prefill took 1.5x the time on the H200, each query block decoding
-    the keys again)."""
-    dense = read(keys)
-    scoring = indexer_kernel.choose(scoring, queries, dense)
-    fp4 = isinstance(keys, QuantizedRows) and keys.grid == "fp4" and keys.block == numerics.FP4_BLOCK
-    stored = fp4 and (select_keys != "dequantized" if scoring == "native" else select_keys == "stored")
-    if scoring == "native" and stored:
-
-        def select_fp4_block(q, w, vis, codes, key_scales):
-            picks, scores = native.select_topk_fp4(q, w, codes, key_scales, vis, top_k=top_k, graph=graph,
-                                                   segments=segments)
-            # No `_scores_with_gradient`: nothing differentiates through an FP8 cache (its writes refuse).
-            return indexer.Selection(picks, scores if with_scores else None)
-
-        return map_query_blocks(select_fp4_block, (queries, weights, visible), (keys.values, keys.scales), block)
-
-    if stored:  # the Pallas kernel over the stored form
-
-        def score_fp4_block(q, w, vis, codes, key_scales):
-            scores = indexer_kernel.index_scores_fp4(*jax.lax.stop_gradient((q, w)), codes, key_scales, vis,
-                                                     dtype=dense.dtype, interpret=scoring == "interpret")
-            picks = native.topk(scores, vis, top_k=top_k, graph=graph, segments=segments)
-            return indexer.Selection(picks, scores if with_scores else None)
-
-        return map_query_blocks(score_fp4_block, (queries, weights, visible), (keys.values, keys.scales), block)
-
-    def select_block(q, w, vis, k):
-        if scoring == "native":
-            picks, scores = native.select_topk(q, w, k, vis, top_k=top_k, graph=graph, segments=segments)
-        else:  # the Pallas kernel's scores, the handler's top-k over them
-            scores = indexer_kernel.index_scores(*jax.lax.stop_gradient((q, w, k)), vis,
-                                                 interpret=scoring == "interpret")
-            picks = native.topk(scores, vis, top_k=top_k, graph=graph, segments=segments)
-        if with_scores and graph:  # break_mode="none": differentiable like the XLA scores (indexer_kl_loss)
-            scores = _scores_with_gradient(scores, q, w, k, vis)
-        return indexer.Selection(picks, scores if with_scores else None)
-
-    return map_query_blocks(select_block, (queries, weights, visible), (dense,), block)
-
-
-@jax.custom_jvp
-def _scores_with_gradient(scores, queries, weights, keys, visible):
-    """The native handler's scores, differentiated as `indexer.index_scores` (same formula, XLA)."""
-    return scores
-
-
-@_scores_with_gradient.defjvp
-def _scores_with_gradient_jvp(primals, tangents):
-    scores, queries, weights, keys, visible = primals
-    _, dq, dw, dk, _ = tangents
-    _, ds = jax.jvp(lambda q, w, k: indexer.index_scores(q, w, k, visible, block=q.shape[-3]),
-                    (queries, weights, keys), (dq, dw, dk))
-    return scores, ds

@@ -19,7 +19,7 @@ compatible: XLA closes the graph before it and opens one after it, so the order 
 the graph of both branches (concurrent inside), the indexer's eager break, then sparse
 attention and the output projection.
 
-`overlap` (the layer's option, resolved into the step's plan, `breaks.BreakPlan.overlap`):
+`overlap` (the layer's option, resolved into the step's plan, `StepPlan.overlap`):
 
 * ``"auto"`` (default): on where it measured faster (CUDA: bench/RESULTS.md "Overlap"), off
   elsewhere;

@@ -12,7 +12,7 @@ One call runs the stages of vLLM's `attention_impl`, in order (names as in vLLM)
    output's inverse RoPE at the query position (vLLM: the first step of the output)
 6. output: grouped ``wo_a``, then ``wo_b``
 
-Stages 2-4 are `run_stages`, written once for XLA and NumPy; the step's `BreakPlan` (from
+Stages 2-4 are `run_stages`, written once for XLA and NumPy; the step's `StepPlan` (from
 `break_mode`, `break_on` and `kernels`, see `breaks`) decides which of them run in a break and
 where. Stages 1, 5 and 6 are always in-graph.
 
@@ -58,6 +58,7 @@ from dsv4_jax.ops.rope import apply_rope, attention_factor, inv_freq
 from dsv4_jax.ops.sparse_attention.reference import OutputRotation, key_pool, sparse_attention
 from dsv4_jax.step import breaks, sharding
 from dsv4_jax.step import overlap as overlap_mod
+from dsv4_jax.step.plan import StepPlan
 
 
 # ---------------------------------------------------------------------------- pytrees
@@ -181,7 +182,7 @@ class StepSpec:
 
     cfg: DeepseekV4Config
     layer_type: str
-    plan: breaks.BreakPlan
+    plan: StepPlan
     dtype: Any  # compute dtype (jnp.dtype)
     precision: Any = None
     query_block: int = QUERY_BLOCK

@@ -21,7 +21,7 @@ theirs); `param_partition_specs` turns them into mesh `PartitionSpec`s through t
 How the layer learns its mesh (trace time, once per compiled step; jax 0.10 and 0.12 alike):
 ``attn.mesh`` (the constructor's ``mesh=``, set by `shard_layer`), else the mesh of
 ``jax.set_mesh(...)`` around the call, else (eager calls only) the mesh the cache's arrays live
-on. It becomes part of the step's `BreakPlan` (a `MeshLayout`), so it is static: the compiled
+on. It becomes part of the step's `StepPlan` (a `MeshLayout`), so it is static: the compiled
 program never asks.
 
 What runs where (`run_per_shard`): the breaks run **per batch shard**, never on a gathered
@@ -123,7 +123,7 @@ def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[Any] | 
 # ---------------------------------------------------------------------------- the layout
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
-    """A mesh and the logical-axis rules that apply to it (hashable: part of a `BreakPlan`).
+    """A mesh and the logical-axis rules that apply to it (hashable: part of a `StepPlan`).
 
     mesh:  a `jax.sharding.Mesh`, or the `AbstractMesh` of ``jax.set_mesh`` inside a trace
     rules: the rules, each mapped to the mesh axes present (an absent axis means replicated)

@@ -23,7 +23,7 @@ from dsv4_jax import native
 from dsv4_jax.config import CSA, DeepseekV4Config
 from dsv4_jax.layer.module import DeepseekV4Attention
 from dsv4_jax.step import overlap as overlap_mod
-from dsv4_jax.step.breaks import BREAK_MODES, plan_break
+from dsv4_jax.step.plan import BREAK_MODES, plan_step
 from dsv4_jax.step.pure_step import attention_step
 
 
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
           f"batch {args.batch}, prompt {args.prompt}, {args.steps} decode steps; modes {', '.join(modes)}")
     # Where the CSA layer's narrow break runs here (break_on="auto"): the native handler on this
     # device when it is built, else the host callback (dsv4_jax.native_info() says why).
-    plan = plan_break(CSA, "narrow", "auto")
+    plan = plan_step(CSA, "narrow", "auto")
     print(f"the narrow break runs on the {plan.place}" + (" (native XLA FFI handler)" if plan.native_select else
           f" (jax.pure_callback; {native.unavailable_reason(jax.default_backend())})"))
     x = np.random.default_rng(0).normal(size=(args.batch, args.prompt + args.steps, cfg.hidden_size))

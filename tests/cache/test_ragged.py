@@ -28,7 +28,7 @@ from helpers import EXECUTIONS, JOBS, background, execution, random_layer
 
 import dsv4_jax
 from dsv4_jax.cache.contiguous import reset_rows
-from dsv4_jax.step import breaks
+from dsv4_jax.step.plan import plan_step
 from dsv4_jax.step.pure_step import compiled_steps
 
 CFG = dsv4_jax.DeepseekV4Config.tiny()
@@ -119,9 +119,9 @@ def check_against_alone(kind, outs, picks_per_call, calls, tol=2e-5):
 
 def _distinct(kind, mode):
     """Modes that resolve to the same compiled step as another one run once (as in test_attention)."""
-    plan = breaks.plan_break(attention_layer_type(kind), **{k: v for k, v in EXECUTIONS[mode].items()
+    plan = plan_step(attention_layer_type(kind), **{k: v for k, v in EXECUTIONS[mode].items()
                                                            if k in ("break_mode", "break_on", "kernels")})
-    if mode != "none" and plan == breaks.plan_break(attention_layer_type(kind), "none", kernels="xla"):
+    if mode != "none" and plan == plan_step(attention_layer_type(kind), "none", kernels="xla"):
         pytest.skip("same compiled step as 'none'")
 
 

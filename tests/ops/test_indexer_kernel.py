@@ -17,9 +17,9 @@ import pytest
 
 from dsv4_jax import KernelPlan, native
 from dsv4_jax.cache.quantized import QuantizedRows
+from dsv4_jax.ops.indexer import native as indexer_native
 from dsv4_jax.ops.indexer import pallas as indexer_kernel
 from dsv4_jax.ops.indexer import reference as indexer
-from dsv4_jax.step import breaks
 
 ON_GPU = jax.default_backend() == "gpu"
 NATIVE = native.available(jax.default_backend())
@@ -87,14 +87,14 @@ def test_the_plan_scores_prefill_chunks_with_the_kernel_and_decode_with_the_hand
 @pytest.mark.skipif(not NATIVE, reason="the native handlers are not built")
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager-break"])
 def test_the_native_selection_picks_alike_with_the_kernel_scores(graph):
-    """`breaks._select_native` with the kernel's scores (interpret mode here) picks what it picks
+    """`indexer_native.select_native` with the kernel's scores (interpret mode here) picks what it picks
     with the handler's own, blocked over queries as the layer calls it (a block of 3 over 7
     queries: a partial last block); its scores equal the handler's."""
     q, w, keys = random_operands(2, 7, 16, 32, 200, jnp.float32, seed=1)
     visible = jnp.asarray([[0, 1, 30, 64, 150, 199, 200], [200, 3, 8, 100, 101, 7, 180]], jnp.int32)
 
     def select(scoring):
-        return jax.jit(lambda *a: breaks._select_native(*a, top_k=16, with_scores=True, block=3, graph=graph,
+        return jax.jit(lambda *a: indexer_native.select_native(*a, top_k=16, with_scores=True, block=3, graph=graph,
                                                         scoring=scoring))(q, w, keys, visible)
 
     got, want = select("interpret"), select("native")
@@ -155,8 +155,8 @@ def test_an_fp8_caches_keys_score_as_their_dequantized_values(select_keys, monke
     monkeypatch.setattr(indexer_kernel, "index_scores_fp4", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def select(keys):
-        return jax.jit(lambda q, w, k, v: breaks._select_native(q, w, k, v, top_k=8, with_scores=True, graph=True,
-                                                                scoring="interpret", select_keys=select_keys))(
+        return jax.jit(lambda q, w, k, v: indexer_native.select_native(
+            q, w, k, v, top_k=8, with_scores=True, graph=True, scoring="interpret", select_keys=select_keys))(
             q, w, keys, visible)
 
     got = select(rows)
@@ -199,7 +199,7 @@ def test_gpu_kernel_scoring_at_flash_sizes_picks_the_handlers_sets(slots):
     visible = jnp.asarray((slots - (255 - np.arange(256)) // 4)[None], jnp.int32)
 
     def select(scoring):
-        return jax.jit(lambda *a: breaks._select_native(*a, top_k=512, with_scores=True, graph=True,
+        return jax.jit(lambda *a: indexer_native.select_native(*a, top_k=512, with_scores=True, graph=True,
                                                         scoring=scoring))(q, w, keys, visible)
 
     got, want = select("pallas"), select("native")

@@ -14,7 +14,8 @@ from flax import nnx
 import dsv4_jax
 from dsv4_jax import DeepseekV4Attention, DeepseekV4Config
 from dsv4_jax.config import CSA, HCA
-from dsv4_jax.step import breaks, overlap
+from dsv4_jax.step import overlap
+from dsv4_jax.step.plan import plan_step
 from dsv4_jax.step.pure_step import compiled_steps, step_for, step_function
 
 CFG = DeepseekV4Config.tiny()
@@ -42,9 +43,9 @@ def test_overlap_resolves_per_platform():
 
 def test_overlap_in_the_plan():
     for setting, want in (("auto", True), ("on", True), ("off", False)):
-        plan = breaks.plan_break(CSA, "none", kernels="xla", platform="cuda", overlap=setting)
+        plan = plan_step(CSA, "none", kernels="xla", platform="cuda", overlap=setting)
         assert plan.overlap is want
-    assert breaks.plan_break(HCA, "narrow", platform="cpu", overlap="on").overlap is False
+    assert plan_step(HCA, "narrow", platform="cpu", overlap="on").overlap is False
 
 
 @pytest.mark.parametrize("value", ["yes", True, None, "ON"])

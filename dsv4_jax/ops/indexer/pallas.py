@@ -157,7 +157,7 @@ def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *,
 
     Any T: a partial last block of keys is loaded and its scores stored under a mask (no
     padded copy of the keys, no cut of the scores). No gradient: the native selection
-    differentiates its scores as the XLA twin's (`breaks._scores_with_gradient`).
+    differentiates its scores as the XLA twin's (`indexer_native.scores_with_gradient`).
     """
     return _call(queries, weights, (keys,), visible, dtype=keys.dtype, interpret=interpret, block=block,
                  tiles=tiles, num_warps=num_warps, num_stages=num_stages)
