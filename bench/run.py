@@ -40,8 +40,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax.layer.validation  # noqa: E402
-import dsv4_jax.step.plan  # noqa: E402
 import dsv4_jax.step.overlap  # noqa: E402
+import dsv4_jax.step.plan  # noqa: E402
 from bench import floor as floor_mod  # noqa: E402
 from bench import measure, report  # noqa: E402
 from bench import peer as peer_mod  # noqa: E402
