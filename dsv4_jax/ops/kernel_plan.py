@@ -72,7 +72,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
+from dsv4_jax.backend import Array, is_tracer
 from dsv4_jax.config import check_choice
+from dsv4_jax.ops.indexer import pallas as indexer_pallas
+from dsv4_jax.ops.sparse_attention import backward_triton, backward_wgmma, split_merge_pallas
+from dsv4_jax.ops.sparse_attention import pallas as attention_pallas
 
 KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
@@ -205,6 +211,97 @@ class KernelPlan:
 
     def blocks(self, phase: str) -> tuple[int, ...] | None:
         return self.decode_blocks if phase == "decode" else self.prefill_blocks
+
+    # Per call: what this (platform-resolved) plan runs for one call's shapes. The one place
+    # where a stage's "auto" becomes an implementation; each kernel says what it takes
+    # (`supports`), and its measured defaults are data beside it.
+
+    def query_norm_for(self, queries: Array) -> str:
+        """queries [B, S, H, D]: "auto" is the kernels for several queries a row (decode steps
+        keep XLA's norm, which fuses with the rotation that follows)."""
+        if self.query_norm == "auto":
+            return "pallas" if queries.shape[1] > 1 else "xla"
+        return self.query_norm
+
+    def compress_for(self) -> str:
+        """"auto" is the pooling kernel for every decode step (it measured faster at every batch)."""
+        return "pallas" if self.compress == "auto" else self.compress
+
+    def projections_for(self) -> str:
+        """"auto" is XLA's GEMMs (inside a decode step the kernel measured level with them)."""
+        return "xla" if self.projections == "auto" else self.projections
+
+    def merge_for(self, kind: str, rows: int) -> str:
+        """The split merge of a call of `rows` query rows (B * S) of a "csa", "hca" or "sliding"
+        layer: "auto" is the kernel from `split_merge_pallas.AUTO_MIN_ROWS` rows on."""
+        if self.split_merge != "auto":
+            return self.split_merge
+        return "pallas" if rows >= split_merge_pallas.AUTO_MIN_ROWS.get(kind, float("inf")) else "xla"
+
+    def scores_for(self, queries: Array, keys: Array) -> str:
+        """How a native selection of these operands scores: "pallas" (the Triton kernel, where it
+        `supports` them), "interpret" or "native" (the handler's own scoring). "auto" is "pallas"
+        for calls of several queries a row, else "native"."""
+        choice = self.select_scores
+        if choice == "auto":
+            choice = "pallas" if queries.shape[1] > 1 else "native"
+        if choice == "pallas" and not indexer_pallas.supports(queries, keys):
+            return "native"
+        return choice
+
+    def attention_for(self, q: Array, entries: Array | None, picks: Array | None,
+                      window_keys: int) -> tuple[dict, bool] | None:
+        """(the sparse attention kernel's blocks, interpret mode) where this plan runs the kernel
+        for q [B, S, H, D] (`window_keys`: W of the window indices), else None (the XLA path).
+
+        "interpret": the kernel in interpret mode (any backend). "auto": on CUDA where it measured
+        faster (`sparse_attention.pallas.default_blocks`, a table); "pallas": on CUDA for every
+        shape the Triton kernel takes; both only where a GPU is the default backend (Pallas
+        lowers Triton kernels only there; a program exported for CUDA from a CPU machine keeps
+        the XLA path). The blocks: the plan's (A/B runs), else the table's, else the forced ones."""
+        phase = attention_pallas.phase_of(q)
+        choice = self.attention(phase)
+        if choice == "xla":
+            return None
+        kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
+        table = attention_pallas.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype,
+                                                0 if entries is None else entries.shape[1])
+        if choice == "auto" and table is None:  # not a shape the kernel measured faster on
+            return None
+        given = self.blocks(phase)
+        blocks = (attention_pallas.as_blocks(given) if given is not None
+                  else attention_pallas.fit_to_window(table or attention_pallas.forced_blocks(phase, q.dtype),
+                                                      window_keys))
+        if choice == "interpret":
+            return blocks, True
+        if jax.default_backend() != "gpu" or not attention_pallas.supports(q, **blocks):
+            return None
+        return blocks, False
+
+    def backward_for(self, q: Array, entries: Array | None, picks: Array | None, *, interpret: bool,
+                     window_contiguous: bool) -> str:
+        """The gradient of a call the sparse attention kernel runs: "wgmma" (the Mosaic GPU range
+        kernels), "cuda" (CSA's CUDA handler), "triton" (the kernel by index) or "xla" (the
+        reference's VJP).
+
+        "auto": "wgmma" for HCA's calls (windows and visible entries: faster training steps on
+        the H200), not in interpret mode, where they simulate warp groups (minutes a call on a
+        CPU), nor for a window alone (sliding layers: not measured); "cuda" for CSA's calls the
+        handler takes (a block a query row with all 64 heads: half the Triton kernel's
+        key-gradient adds); else "triton". The range kernels run in interpret mode only where
+        the backward runs eagerly: under a jit, XLA's CPU pool can be too small for the
+        simulated warp groups that wait on each other. CSA's picks are scattered, not ranges:
+        they stay with the kernels by index. docs/breaks_and_kernels.md has the measurements."""
+        choice = self.attention_backward
+        ranges = choice == "wgmma" or (choice == "auto" and entries is not None and not interpret)
+        if (ranges and picks is None and backward_wgmma.supports(q, window_contiguous, interpret=interpret)
+                and not (interpret and is_tracer(q))):
+            return "wgmma"
+        if choice == "xla" or not (interpret or backward_triton.supports(q, entries, picks)):
+            return "xla"
+        if choice in ("auto", "cuda") and not interpret and backward_triton.supports(q, entries, picks, cuda=True):
+            return "cuda"
+        return "triton"
 
 
 def as_kernel_plan(kernels: Any) -> KernelPlan:

@@ -69,9 +69,7 @@ class StepPlan:
         """The `select_topk` that `pure_step.run_stages` calls for this plan."""
         if self.native_select:
             select = functools.partial(indexer_native.select_native, graph=self.mode == "none",
-                                       segments=self.kernels.select_segments,
-                                       select_keys=self.kernels.select_keys,
-                                       scoring=self.kernels.select_scores)
+                                       kernels=self.kernels)
         elif self.mode == "narrow":
             select = breaks.select_on_host
         else:

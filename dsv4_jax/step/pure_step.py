@@ -258,7 +258,7 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
     # The per-head norm and RoPE: one kernel each way where the plan says (`head_norm_kernel`).
-    q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm, rotation=(positions, freqs, scale))
+    q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm_for(q), rotation=(positions, freqs, scale))
     kv = apply_rope(kv, positions, freqs, scale=scale)
     round_kv, _ = official_roundings(spec)
     if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert
@@ -284,7 +284,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     frozen = overflows(length, count, cache.max_seq_len)
     compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
-                  frozen=frozen, count=count, kernel=spec.plan.kernels.compress)
+                  frozen=frozen, count=count, kernel=spec.plan.kernels.compress_for())
     round_kv, round_indexer = official_roundings(spec)
 
     # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
@@ -411,7 +411,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
 
     # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
     with jax.named_scope("input_projections"):
-        inputs = input_projections(x, weights, cfg, dtype, prec, spec.plan.kernels.projections)
+        inputs = input_projections(x, weights, cfg, dtype, prec, spec.plan.kernels.projections_for())
 
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
     if spec.plan.mode == "wide":
@@ -525,7 +525,7 @@ def output_projection(o, weights: AttentionWeights, spec: StepSpec):
     """Stage 6: o [B, S, H, D] (de-rotated: `output_rotation`) -> groups [B, S, G, H*D/G] -> wo_a
     -> wo_b [B, S, hidden]."""
     cfg, dtype = spec.cfg, spec.dtype
-    kernel = spec.plan.kernels.projections
+    kernel = spec.plan.kernels.projections_for()
     grouped = o.reshape(*o.shape[:2], cfg.o_groups, -1)
     z = projection("bsgi,gir->bsgr", grouped, weights.o_a_proj, out_dtype=dtype, precision=spec.precision,
                    kernel=kernel)

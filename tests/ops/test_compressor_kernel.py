@@ -64,9 +64,9 @@ def test_the_kernel_pools_as_the_xla_path(overlap, m, dc, dtype):
 
 def test_shapes_the_triton_kernel_takes():
     ring = jnp.zeros((2, 8, 4 * 512), jnp.bfloat16)
-    assert compressor_kernel.supported(ring, 4, True)
-    assert not compressor_kernel.supported(ring, 4, False)  # an HCA ring is m slots
-    assert not compressor_kernel.supported(jnp.zeros((2, 6, 4 * 512)), 3, True)  # m not a power of two
+    assert compressor_kernel.supports(ring, 4, True)
+    assert not compressor_kernel.supports(ring, 4, False)  # an HCA ring is m slots
+    assert not compressor_kernel.supports(jnp.zeros((2, 6, 4 * 512)), 3, True)  # m not a power of two
     with pytest.raises(ValueError, match="multiple of the channel block"):
         compressor_kernel.pool_one_token(jnp.zeros((1, 4, 2 * 200)), jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
                                          jnp.zeros((4, 200)), ratio=4, overlap=False, interpret=True)

@@ -57,11 +57,11 @@ def test_the_kernel_scores_as_the_xla_twin(dtype, block, tiles):
 
 def test_shapes_and_dtypes_the_triton_kernel_takes():
     bf16 = random_operands(1, 2, 64, 128, 8)
-    assert indexer_kernel.supported(bf16[0], bf16[2])
+    assert indexer_kernel.supports(bf16[0], bf16[2])
     f32 = random_operands(1, 2, 64, 128, 8, jnp.float32)
-    assert not indexer_kernel.supported(f32[0], f32[2])  # Triton's dot would round float32 to TF32
+    assert not indexer_kernel.supports(f32[0], f32[2])  # Triton's dot would round float32 to TF32
     small = random_operands(1, 2, 8, 128, 8)
-    assert not indexer_kernel.supported(small[0], small[2])  # fewer heads than an MMA tile
+    assert not indexer_kernel.supports(small[0], small[2])  # fewer heads than an MMA tile
 
 
 def test_the_plan_scores_prefill_chunks_with_the_kernel_and_decode_with_the_handler():
@@ -70,11 +70,11 @@ def test_the_plan_scores_prefill_chunks_with_the_kernel_and_decode_with_the_hand
     to the handler's; `kernels="interpret"` names interpret mode; a bad value is refused."""
     prefill, decode = random_operands(1, 4, 64, 128, 8), random_operands(1, 1, 64, 128, 8)
     f32 = random_operands(1, 4, 64, 128, 8, jnp.float32)
-    assert indexer_kernel.choose("auto", prefill[0], prefill[2]) == "pallas"
-    assert indexer_kernel.choose("auto", decode[0], decode[2]) == "native"
-    assert indexer_kernel.choose("auto", f32[0], f32[2]) == "native"
-    assert indexer_kernel.choose("pallas", f32[0], f32[2]) == "native"
-    assert indexer_kernel.choose("interpret", f32[0], f32[2]) == "interpret"
+    assert KernelPlan(select_scores="auto").scores_for(prefill[0], prefill[2]) == "pallas"
+    assert KernelPlan(select_scores="auto").scores_for(decode[0], decode[2]) == "native"
+    assert KernelPlan(select_scores="auto").scores_for(f32[0], f32[2]) == "native"
+    assert KernelPlan(select_scores="pallas").scores_for(f32[0], f32[2]) == "native"
+    assert KernelPlan(select_scores="interpret").scores_for(f32[0], f32[2]) == "interpret"
     assert KernelPlan().resolve("cpu", True).select_scores == "native"
     assert KernelPlan(select_scores="pallas").resolve("cpu", True).select_scores == "native"
     assert KernelPlan().resolve("cuda", True).select_scores == "auto"
@@ -94,8 +94,9 @@ def test_the_native_selection_picks_alike_with_the_kernel_scores(graph):
     visible = jnp.asarray([[0, 1, 30, 64, 150, 199, 200], [200, 3, 8, 100, 101, 7, 180]], jnp.int32)
 
     def select(scoring):
+        plan = KernelPlan(select="native", select_scores=scoring)
         return jax.jit(lambda *a: indexer_native.select_native(*a, top_k=16, with_scores=True, block=3, graph=graph,
-                                                        scoring=scoring))(q, w, keys, visible)
+                                                               kernels=plan))(q, w, keys, visible)
 
     got, want = select("interpret"), select("native")
     np.testing.assert_array_equal(np.asarray(got.picks), np.asarray(want.picks))
@@ -155,9 +156,9 @@ def test_an_fp8_caches_keys_score_as_their_dequantized_values(select_keys, monke
     monkeypatch.setattr(indexer_kernel, "index_scores_fp4", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def select(keys):
+        plan = KernelPlan(select="native", select_scores="interpret", select_keys=select_keys)
         return jax.jit(lambda q, w, k, v: indexer_native.select_native(
-            q, w, k, v, top_k=8, with_scores=True, graph=True, scoring="interpret", select_keys=select_keys))(
-            q, w, keys, visible)
+            q, w, k, v, top_k=8, with_scores=True, graph=True, kernels=plan))(q, w, keys, visible)
 
     got = select(rows)
     assert bool(calls) == (select_keys == "stored")
@@ -199,8 +200,9 @@ def test_gpu_kernel_scoring_at_flash_sizes_picks_the_handlers_sets(slots):
     visible = jnp.asarray((slots - (255 - np.arange(256)) // 4)[None], jnp.int32)
 
     def select(scoring):
+        plan = KernelPlan(select="native", select_scores=scoring)
         return jax.jit(lambda *a: indexer_native.select_native(*a, top_k=512, with_scores=True, graph=True,
-                                                        scoring=scoring))(q, w, keys, visible)
+                                                               kernels=plan))(q, w, keys, visible)
 
     got, want = select("pallas"), select("native")
     assert_scores_match(got.scores, want.scores)

@@ -105,10 +105,10 @@ def test_blocks_and_the_shapes_it_takes():
     assert projection_kernel.blocks(1, 4096, 4160) == (32, 256)  # CSA's fused input projections
     assert projection_kernel.blocks(1, 96, 64) is None and projection_kernel.blocks(1, 64, 40) is None
     bf16 = jnp.bfloat16
-    assert projection_kernel.takes(64, (4096, 4160), bf16, interpret=False)
-    assert not projection_kernel.takes(65, (4096, 4160), bf16, interpret=False)
-    assert not projection_kernel.takes(8, (4096, 4160), jnp.float32, interpret=False)
-    assert projection_kernel.takes(8, (4096, 4160), jnp.float32, interpret=True)
+    assert projection_kernel.supports(64, (4096, 4160), bf16, interpret=False)
+    assert not projection_kernel.supports(65, (4096, 4160), bf16, interpret=False)
+    assert not projection_kernel.supports(8, (4096, 4160), jnp.float32, interpret=False)
+    assert projection_kernel.supports(8, (4096, 4160), jnp.float32, interpret=True)
     with pytest.raises(ValueError, match=r"x \[M <= 64, G, K\].*got x \(65, 1, 64\)"):
         projection_kernel.project(jnp.zeros((65, 1, 64)), jnp.zeros((1, 64, 16)), interpret=True)
 

@@ -27,7 +27,10 @@ from dsv4_jax.ops.sparse_attention import backward_wgmma as sabw
 from dsv4_jax.ops.sparse_attention import pallas as sak
 from dsv4_jax.ops.sparse_attention import reference as sa
 
-needs_interpret = pytest.mark.skipif(not sabw.available(interpret=True),
+# A call the kernels take by its shapes (bf16, 64 heads of 128, ranges): `supports` then says
+# whether this jax runs them (compiled, or in interpret mode).
+TAKEN = jnp.zeros((1, 2, 64, 128), jnp.bfloat16)
+needs_interpret = pytest.mark.skipif(not sabw.supports(TAKEN, True, interpret=True),
                                      reason="Mosaic GPU's interpret mode runs these kernels from jax 0.12")
 NAMES = ("dq", "dpool", "dsinks", "dentries")
 
@@ -226,13 +229,14 @@ def test_the_key_gradient_kernels_work_items_cover_every_block_and_split_once():
     assert got == want
 
 
+@pytest.mark.skipif(not sabw.supports(TAKEN, True), reason="no Mosaic GPU Pallas API in this jax")
 def test_the_range_kernels_take_bf16_windows_of_64_heads():
-    q = jnp.zeros((1, 2, 64, 128), jnp.bfloat16)
-    assert sabw.takes(q, window_contiguous=True)
-    assert not sabw.takes(q, window_contiguous=False)
-    assert not sabw.takes(q.astype(jnp.float32), window_contiguous=True)
-    assert not sabw.takes(jnp.zeros((1, 2, 32, 128), jnp.bfloat16), window_contiguous=True)
-    assert not sabw.takes(jnp.zeros((1, 2, 64, 96), jnp.bfloat16), window_contiguous=True)
+    q = TAKEN
+    assert sabw.supports(q, window_contiguous=True)
+    assert not sabw.supports(q, window_contiguous=False)
+    assert not sabw.supports(q.astype(jnp.float32), window_contiguous=True)
+    assert not sabw.supports(jnp.zeros((1, 2, 32, 128), jnp.bfloat16), window_contiguous=True)
+    assert not sabw.supports(jnp.zeros((1, 2, 64, 96), jnp.bfloat16), window_contiguous=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need CUDA")

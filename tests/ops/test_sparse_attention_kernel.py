@@ -70,7 +70,7 @@ def _xla(q, pool, widx, sinks, kwargs):
 
 def kernel_path(q, pool, widx, sinks, kwargs, **blocks):
     # Triton on CUDA where it takes the shapes (dots of >= 16 in every dimension), else interpret mode.
-    triton_ok = sak.supported_on_gpu(q, **blocks)
+    triton_ok = sak.supports(q, **blocks)
     interpret = not (ON_GPU and triton_ok)
 
     def kernel(q, pool, widx, sinks, kwargs):
@@ -240,7 +240,7 @@ def test_a_cpu_machine_exports_the_decode_step_for_cuda_with_the_xla_path():
     # Shapes the kernel takes, in its CUDA default case (one-row HCA decode): Pallas lowers a
     # Triton kernel only on a GPU machine, so the export keeps the XLA path for every platform.
     q, pool, widx, sinks, kwargs = decode_inputs("hca", b=1, h=16, d=32, w=32, t=40, k=3, dtype=jnp.float32)
-    assert sak.supported_on_gpu(q, **sak.default_blocks("hca", 1))
+    assert sak.supports(q, **sak.default_blocks("hca", 1))
     fn = jax.jit(lambda *a: sa.sparse_attention(*a, **kwargs, precision=jax.lax.Precision.HIGHEST).o)
     exported = jax.export.export(fn, platforms=("cpu", "cuda"))(q, pool, widx, sinks)
     assert "xla.gpu.triton" not in exported.mlir_module()  # no Triton custom call

@@ -84,9 +84,9 @@ def test_blocks_and_the_shapes_it_takes():
     assert split_merge_kernel.block_heads(32, 64, 8) == 8  # 2048 programs, the cap of 8 heads
     assert split_merge_kernel.block_heads(4, 64, 8) == 4  # 1024 programs
     q = jnp.zeros((1, 1, 4, 64))
-    assert split_merge_kernel.takes(q, None) and split_merge_kernel.takes(q, rotation(1, 32))
-    assert not split_merge_kernel.takes(jnp.zeros((1, 1, 4, 48)), None)  # Triton's tensors: powers of two
-    assert not split_merge_kernel.takes(q, rotation(1, 12))
+    assert split_merge_kernel.supports(q, None) and split_merge_kernel.supports(q, rotation(1, 32))
+    assert not split_merge_kernel.supports(jnp.zeros((1, 1, 4, 48)), None)  # Triton's tensors: powers of two
+    assert not split_merge_kernel.supports(q, rotation(1, 12))
 
 
 @pytest.mark.parametrize("queries", [1, 3], ids=["decode", "prompt"])
@@ -112,13 +112,13 @@ def test_the_attention_kernel_merges_its_splits_through_it(queries):
 def test_auto_takes_the_kernel_where_it_measured_faster():
     """CSA decode batches of at least 16 rows (where the attention kernel's batch blocks run);
     one-row decode and HCA keep XLA's merge; an explicit choice is kept."""
-    assert split_merge_kernel.choose("auto", "csa", 32) == "pallas"
-    assert split_merge_kernel.choose("auto", "csa", 16) == "pallas"
-    assert split_merge_kernel.choose("auto", "csa", 1) == "xla"
-    assert split_merge_kernel.choose("auto", "hca", 32) == "xla"
-    assert split_merge_kernel.choose("auto", "sliding", 64) == "xla"
-    assert split_merge_kernel.choose("interpret", "hca", 1) == "interpret"
-    assert split_merge_kernel.choose("xla", "csa", 32) == "xla"
+    assert KernelPlan(split_merge="auto").merge_for("csa", 32) == "pallas"
+    assert KernelPlan(split_merge="auto").merge_for("csa", 16) == "pallas"
+    assert KernelPlan(split_merge="auto").merge_for("csa", 1) == "xla"
+    assert KernelPlan(split_merge="auto").merge_for("hca", 32) == "xla"
+    assert KernelPlan(split_merge="auto").merge_for("sliding", 64) == "xla"
+    assert KernelPlan(split_merge="interpret").merge_for("hca", 1) == "interpret"
+    assert KernelPlan(split_merge="xla").merge_for("csa", 32) == "xla"
 
 
 def test_the_plan_names_the_stage():

@@ -120,7 +120,7 @@ def pool_one_token(ring: Array, first_entry: Array, completes: Array, position_b
     return out[:, None, :]
 
 
-def supported(ring: Array, ratio: int, overlap: bool, block_channels: int = BLOCK_CHANNELS) -> bool:
+def supports(ring: Array, ratio: int, overlap: bool, block_channels: int = BLOCK_CHANNELS) -> bool:
     """Whether the Triton kernel takes these shapes (powers of two: m, the channel block)."""
     n = 2 if overlap else 1
     dc = ring.shape[-1] // (2 * n)

@@ -177,9 +177,9 @@ def _pool_one_token(ring: Array, first_entry: Array, completes: Array, position_
                     overlap: bool, dtype, kernel: str) -> Array:
     """A decode step's pooled entry [B, 1, Dc]: `_pool` of `_one_token`'s windows, or
     `compressor_kernel.pool_one_token` (one kernel, only for the rows in `completes` [B]; the
-    others' results are never written) where `kernel` (the plan's ``compress``) asks for it:
-    "auto" / "pallas" on CUDA (the kernel measured faster at every batch), "interpret" on any
-    backend, "xla" never. The kernel differentiates as `_pool` (`backend.differentiated_as`)."""
+    others' results are never written) where `kernel` (the plan's, `KernelPlan.compress_for`)
+    asks for it: "pallas" on CUDA, "interpret" on any backend, "xla" never. The kernel
+    differentiates as `_pool` (`backend.differentiated_as`)."""
     def reference(ring, first_entry, completes, position_bias):
         windows, before = _one_token(ring, first_entry, m)
         return _pool(windows, before, first_entry, position_bias, overlap, dtype)
@@ -189,7 +189,7 @@ def _pool_one_token(ring: Array, first_entry: Array, completes: Array, position_
     pool = functools.partial(compressor_kernel.pool_one_token, ratio=m, overlap=overlap)
     if kernel == "interpret":  # the kernel on any backend (tests, CPU)
         pool = functools.partial(pool, interpret=True)
-    elif jax.default_backend() != "gpu" or not compressor_kernel.supported(ring, m, overlap):
+    elif jax.default_backend() != "gpu" or not compressor_kernel.supports(ring, m, overlap):
         # Pallas lowers Triton kernels only where a GPU is the default backend; chosen when the
         # program is lowered for its platform, as `sparse_attention`'s kernel is.
         return reference(ring, first_entry, completes, position_bias)

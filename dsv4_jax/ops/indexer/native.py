@@ -11,23 +11,26 @@ from dsv4_jax.backend import QUERY_BLOCK, map_query_blocks
 from dsv4_jax.cache.quantized import QuantizedRows, read
 from dsv4_jax.ops.indexer import pallas as indexer_kernel
 from dsv4_jax.ops.indexer import reference as indexer
+from dsv4_jax.ops.kernel_plan import KernelPlan
+
+NATIVE_SCORES = KernelPlan(select="native", select_scores="native")  # the handler's own scoring
 
 
 def select_native(queries, weights, keys, visible, *, top_k, with_scores=False, block=QUERY_BLOCK,
-                   graph: bool, segments: int | None = None, select_keys: str = "auto",
-                   scoring: str = "native") -> indexer.Selection:
+                  graph: bool, kernels: KernelPlan = NATIVE_SCORES) -> indexer.Selection:
     """The native selection, blocked over queries like `indexer.select_topk` (bounds the
-    [B, block, T] scores of long prefills); the eager break unless `graph`; `segments` as
-    `KernelPlan.select_segments`. `scoring`: `KernelPlan.select_scores` (resolved for the
-    platform); where it chooses the Pallas kernel (`indexer_kernel.choose`) the handler's top-k
-    picks from that kernel's scores. An FP8 cache's keys (`QuantizedRows`), by
+    [B, block, T] scores of long prefills); the eager break unless `graph`. `kernels`: the step's
+    plan (resolved for the platform): its ``select_segments`` as the handler's, and its
+    ``select_scores`` for the scores (`KernelPlan.scores_for`): where that is the Pallas kernel
+    the handler's top-k picks from the kernel's scores. An FP8 cache's keys (`QuantizedRows`), by
     `KernelPlan.select_keys`: the handler's scoring reads their stored form
     (`native.select_topk_fp4`) unless "dequantized"; the Pallas kernel reads it
     (`indexer_kernel.index_scores_fp4`) where "stored", else a dequantized copy ("auto": with
     the stored form a CSA 64k prefill took 1.5x the time on the H200, each query block decoding
     the keys again)."""
     dense = read(keys)
-    scoring = indexer_kernel.choose(scoring, queries, dense)
+    scoring = kernels.scores_for(queries, dense)
+    segments, select_keys = kernels.select_segments, kernels.select_keys
     fp4 = isinstance(keys, QuantizedRows) and keys.grid == "fp4" and keys.block == numerics.FP4_BLOCK
     stored = fp4 and (select_keys != "dequantized" if scoring == "native" else select_keys == "stored")
     if scoring == "native" and stored:

@@ -178,7 +178,7 @@ def index_scores_fp4(queries: Array, weights: Array, codes: Array, scale_bytes: 
                  tiles=tiles, num_warps=num_warps, num_stages=num_stages)
 
 
-def supported(queries: Array, keys: Array) -> bool:
+def supports(queries: Array, keys: Array) -> bool:
     """Whether the Triton kernel takes these operands: bf16 queries and keys (a float32 dot would
     be TF32), heads and channels powers of two of at least 16 (one MMA tile)."""
 
@@ -189,14 +189,3 @@ def supported(queries: Array, keys: Array) -> bool:
             and pow2_tile(queries.shape[-2]) and pow2_tile(queries.shape[-1]))
 
 
-def choose(choice: str, queries: Array, keys: Array) -> str:
-    """How a native selection of these operands scores (`KernelPlan.select_scores`, resolved for
-    the step's platform): "pallas" (the Triton kernel), "interpret" (the kernel in interpret
-    mode) or "native" (the handler's own scoring). "auto" is "pallas" for calls of several
-    queries a row that the kernel takes, else "native"."""
-    if choice == "auto":
-        several = queries.shape[1] > 1
-        return "pallas" if several and supported(queries, keys) else "native"
-    if choice == "pallas" and not supported(queries, keys):
-        return "native"
-    return choice

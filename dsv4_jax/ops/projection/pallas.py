@@ -111,7 +111,7 @@ def project(x: Array, w: Array, *, interpret: bool = False) -> Array:
     return out[:rows].reshape(rows, groups, n)
 
 
-def takes(rows: int, w_shape: tuple[int, ...], dtype, *, interpret: bool) -> bool:
+def supports(rows: int, w_shape: tuple[int, ...], dtype, *, interpret: bool) -> bool:
     """Whether the kernel takes `rows` token rows against a weight of `w_shape` ([K, N] or
     [G, K, N]) in `dtype`: at most `MAX_ROWS` rows and `blocks`' shapes; as a Triton kernel
     only bf16 or fp16 (a float32 dot there would round through TF32, not XLA's float32)."""
@@ -130,17 +130,17 @@ def projection(subscripts: str, a: Array, b: Array, *, out_dtype, precision=None
     (the step plan's ``projections``) asks for it and the call is one it `takes`.
 
     subscripts: "bsh,hn->bsn" / "bsr,rh->bsh" (a [B, S, K] @ b [K, N] -> [B, S, N]) or the grouped
-    "bsgi,gir->bsgr" (a [B, S, G, K] @ b [G, K, N] -> [B, S, G, N]). kernel: "auto" or "xla" XLA's
-    product, "pallas" the kernel on CUDA, "interpret" the kernel in interpret mode (see the module
-    doc). The kernel's gradient is the XLA product's."""
+    "bsgi,gir->bsgr" (a [B, S, G, K] @ b [G, K, N] -> [B, S, G, N]). kernel: "xla" XLA's
+    product (`KernelPlan.projections_for`), "pallas" the kernel on CUDA, "interpret" the kernel
+    in interpret mode (see the module doc). The kernel's gradient is the XLA product's."""
     reference = functools.partial(einsum, subscripts, out_dtype=out_dtype, precision=precision)
-    if kernel in ("auto", "xla") or isinstance(a, np.ndarray):
+    if kernel == "xla" or isinstance(a, np.ndarray):
         return reference(a, b)
     grouped = _FORMS[subscripts]
     interpret = kernel == "interpret"
     rows = math.prod(a.shape[:2])
     a, b = a.astype(out_dtype), b.astype(out_dtype)
-    if not takes(rows, b.shape, out_dtype, interpret=interpret) or (
+    if not supports(rows, b.shape, out_dtype, interpret=interpret) or (
             not interpret and jax.default_backend() != "gpu"):
         # Pallas lowers Triton kernels only where a GPU is the default backend.
         return reference(a, b)

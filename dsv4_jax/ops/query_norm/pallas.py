@@ -205,20 +205,17 @@ def head_rms_norm_rope_kernel(x: Array, positions: Array, freqs: np.ndarray, sca
 
 def query_norm(q: Array, eps: float, choice: str = "xla", rotation: tuple | None = None) -> Array:
     """The queries' per-head RMSNorm, then (with `rotation`) their RoPE: q [B, S, H, D] ->
-    [B, S, H, D], by `choice` (the step's ``KernelPlan.query_norm``, resolved for the
-    platform): "xla" `head_rms_norm` (and `apply_rope`); "interpret" the kernels in interpret
-    mode; "pallas" the kernels where a GPU is the default backend (and where the program is
-    lowered for CUDA: another platform's program keeps XLA's); "auto" as "pallas" for several
-    queries a row, else "xla". NumPy arrays, and widths the Triton kernels cannot take (`takes`):
-    XLA's.
+    [B, S, H, D], by `choice` (the step plan's, `KernelPlan.query_norm_for`): "xla"
+    `head_rms_norm` (and `apply_rope`); "interpret" the kernels in interpret mode; "pallas" the
+    kernels where a GPU is the default backend (and where the program is lowered for CUDA:
+    another platform's program keeps XLA's). NumPy arrays, and widths the Triton kernels cannot
+    take (`supports`): XLA's.
 
     rotation: None, or (positions [B, S] int, freqs float32 [half] (NumPy), scale): RoPE of the
     trailing 2 * half channels at each token's position, fused into the norm's kernels (one pass
     over the queries each way, where XLA's in-place rotation reads and writes the rotated
     channels once more in a slice and an update, each way)."""
-    if choice == "auto":
-        choice = "pallas" if q.shape[1] > 1 else "xla"
-    if choice == "xla" or namespace(q) is np or (choice == "pallas" and not takes(q, rotation)):
+    if choice == "xla" or namespace(q) is np or (choice == "pallas" and not supports(q, rotation)):
         return _reference(q, eps, rotation, in_place=choice == "xla")
     interpret = choice == "interpret"
     if rotation is None:
@@ -234,7 +231,7 @@ def query_norm(q: Array, eps: float, choice: str = "xla", rotation: tuple | None
     return jax.lax.platform_dependent(q, cuda=kernel, default=lambda x: _reference(x, eps, rotation, in_place=False))
 
 
-def takes(q: Array, rotation: tuple | None) -> bool:
+def supports(q: Array, rotation: tuple | None) -> bool:
     """Whether the Triton kernels take q [..., D]: D and the rotated channels' half powers of two
     (Triton's blocks), D at least 16."""
     d = q.shape[-1]

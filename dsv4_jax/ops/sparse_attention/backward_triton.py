@@ -48,7 +48,7 @@ the XLA VJP within ~1e-5 (`tests/test_sparse_attention_backward.py`); bf16 withi
 
 CSA's calls in bf16 at 64 heads of 512 (V4-Flash's shapes; V4-Pro's 128 heads take the Triton
 kernel) can go to a CUDA handler instead
-(`cuda=True`, `cuda_takes`; csrc/sparse_attention_backward_cuda.cu through
+(`cuda=True`, `supports(..., cuda=True)`; csrc/sparse_attention_backward_cuda.cu through
 `native.sparse_attention_backward`): the same contract and roundings, one block of 8 warps a
 query row with all 64 heads, so that each key's gradient is summed over the heads before its one
 atomic add (here a program's 32 heads add theirs: 64 heads a program exceed Triton's registers).
@@ -64,6 +64,7 @@ from jax.experimental import pallas as pl
 
 from dsv4_jax import native
 from dsv4_jax.backend import Array
+from dsv4_jax.ops.sparse_attention import pallas as sparse_attention_kernel
 from dsv4_jax.ops.sparse_attention import relaxed_atomics
 from dsv4_jax.ops.sparse_attention.pallas import _pad_indices, entry_indices
 
@@ -168,17 +169,21 @@ def _atomic_add(ref, idx, values, relaxed: bool):
         pl_triton.atomic_add(ref, idx, values)
 
 
-def cuda_takes(q: Array, entries: Array | None, picks: Array | None) -> bool:
-    """Whether the CUDA handler (`native.sparse_attention_backward`) takes the call: CSA's
-    picks, bf16, 64 heads of 512 channels, the CUDA extension built and a GPU in this process."""
+def supports(q: Array, entries: Array | None, picks: Array | None, *, cuda: bool = False) -> bool:
+    """Whether the backward takes the call on a GPU: the Triton kernel wherever the forward kernel
+    takes its blocks (`BLOCK_KEYS`, `BLOCK_HEADS`); with `cuda`, the CUDA handler
+    (`native.sparse_attention_backward`): CSA's picks, bf16, 64 heads of 512 channels, the CUDA
+    extension built and a GPU in this process."""
+    if not cuda:
+        return sparse_attention_kernel.supports(q, block_keys=BLOCK_KEYS, block_heads=BLOCK_HEADS)
     return (picks is not None and entries is not None and q.dtype == jnp.bfloat16
             and q.shape[2:] == (native.BACKWARD_HEADS, native.BACKWARD_DIM) and native.available("cuda"))
 
 
 def _by_cuda(q, pool, window_idx, sinks, o, lse, do, entries, picks, rotated, delta_rotated, do_groups,
              row_stretches_most):
-    """`sparse_attention_backward` by the CUDA handler (`cuda_takes`): the same contract."""
-    if not cuda_takes(q, entries, picks):
+    """`sparse_attention_backward` by the CUDA handler (`supports(..., cuda=True)`): the same contract."""
+    if not supports(q, entries, picks, cuda=True):
         why = native.unavailable_reason("cuda") or "it takes CSA's picks in bf16 with 64 heads of 512"
         raise ValueError(f"cuda=True: the CUDA handler does not take q {q.dtype}{list(q.shape)} with "
                          f"{'picks' if picks is not None else 'no picks'} here ({why}); use the Triton kernel "
@@ -259,7 +264,7 @@ def sparse_attention_backward(q: Array, pool: Array, window_idx: Array, sinks: A
     (head g*H/G + j of row r at [g, r, j]), the layout in which the gradient of a grouped
     output projection (the layer's wo_a, batched over its G groups) leaves it: read as it is,
     XLA's transpose of it to [B, S, H, D] (a pass over it) cancels against the caller's.
-    `cuda`: by the CUDA handler instead of the Triton kernel (where `cuda_takes`; the block and
+    `cuda`: by the CUDA handler instead of the Triton kernel (where `supports(..., cuda=True)`; the block and
     launch options other than `row_stretches_most` are the Triton kernel's).
     """
     if rotated and delta_rotated is None:

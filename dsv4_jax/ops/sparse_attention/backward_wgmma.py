@@ -91,7 +91,16 @@ SCALARS = 32  # int32 a row of the range tables: 128 bytes (jax 0.10's Mosaic GP
 ZERO = SCALARS - 1  # a range-table column that is always 0: `_opaque_zero`
 
 
-def available(interpret: bool = False) -> bool:
+def supports(q: Array, window_contiguous: bool, *, interpret: bool = False) -> bool:
+    """Whether the kernels take this call here: its window (and HCA's entries) in bf16, heads a
+    multiple of 64, D a multiple of 128, windows of consecutive pool indices (CSA's picks are
+    scattered: they stay with the Triton kernel); and this jax runs them (`_jax_runs_them`)."""
+    _, _, h, d = q.shape
+    return (window_contiguous and q.dtype == jnp.bfloat16 and h % BLOCK == 0 and d % (2 * BLOCK) == 0
+            and _jax_runs_them(interpret))
+
+
+def _jax_runs_them(interpret: bool = False) -> bool:
     """Whether this jax has Mosaic GPU's Pallas API as these kernels use it (they compile with jax
     0.10.2 and 0.11.2), and for `interpret`, an interpret mode that runs them (transposed wgmma
     operands: jax >= 0.12)."""
@@ -102,14 +111,6 @@ def available(interpret: bool = False) -> bool:
     if not hasattr(plgpu, "broadcasted_iota"):
         return False
     return not interpret or _JAX_VERSION >= (0, 12)
-
-
-def takes(q: Array, window_contiguous: bool) -> bool:
-    """Whether the kernels take this call's window (and HCA's entries): bf16, heads a multiple of
-    64, D a multiple of 128, windows of consecutive pool indices. (CSA's picks are scattered: they
-    stay with the Triton kernel.)"""
-    _, _, h, d = q.shape
-    return window_contiguous and q.dtype == jnp.bfloat16 and h % BLOCK == 0 and d % (2 * BLOCK) == 0
 
 
 def _tile(dtype=jnp.bfloat16, columns: int | None = None):

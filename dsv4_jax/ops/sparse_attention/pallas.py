@@ -174,7 +174,7 @@ def as_blocks(chosen) -> dict:
     return blocks
 
 
-def supported_on_gpu(q: Array, block_heads: int = BLOCK_HEADS, block_keys: int = BLOCK_KEYS, **_) -> bool:
+def supports(q: Array, block_heads: int = BLOCK_HEADS, block_keys: int = BLOCK_KEYS, **_) -> bool:
     """Whether the Triton kernel takes these shapes: q [B, S, H, D] with H a multiple of the
     head block, D a power of two, every dot dimension >= 16."""
     h, d = q.shape[2:]
@@ -366,7 +366,7 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                   num_stages=num_stages, splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks)
     if splits == 1:
         o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks, with_lse=with_lse)
-    elif merge != "xla" and not with_lse and split_merge_kernel.takes(q, rotation):
+    elif merge != "xla" and not with_lse and split_merge_kernel.supports(q, rotation):
         partials = _call(rows, pool, widx, entries, entry_idx, None, **blocks)
         merge_rotation = None if rotation is None else (rotation[0].reshape(b * s), *rotation[1:])
         o = split_merge_kernel.merge_splits(*partials, sinks, q.dtype, merge_rotation,

@@ -25,13 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.backend import QUERY_BLOCK, Array, einsum, is_tracer, map_query_blocks, reference_vjp
+from dsv4_jax.backend import QUERY_BLOCK, Array, einsum, map_query_blocks, reference_vjp
 from dsv4_jax.ops.kernel_plan import AUTO, KernelPlan
 from dsv4_jax.ops.rope import apply_rope, derotate_output
 from dsv4_jax.ops.sparse_attention import backward_triton as sparse_attention_backward
 from dsv4_jax.ops.sparse_attention import backward_wgmma as sparse_attention_backward_wgmma
 from dsv4_jax.ops.sparse_attention import pallas as sparse_attention_kernel
-from dsv4_jax.ops.sparse_attention import split_merge_pallas as split_merge_kernel
 
 
 class AttentionOutput(NamedTuple):
@@ -181,13 +180,13 @@ def sparse_attention(
         def reference(q, pool, window_idx, sinks, entries, picks, visible):
             return xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible).o
 
-        chosen = _kernel_blocks(q, entries, picks, window_idx.shape[-1], kernels)
+        chosen = kernels.attention_for(q, entries, picks, window_idx.shape[-1])
         if chosen is not None:
             static = None if rotation is None else (rotation.freqs, float(rotation.scale))
             kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-            merge = split_merge_kernel.choose(kernels.split_merge, kind, q.shape[0] * q.shape[1])
-            attend = _by_kernel(reference, *chosen, backward=kernels.attention_backward, rotation=static,
-                                output_groups=output_groups, window_contiguous=window_contiguous, merge=merge)
+            merge = kernels.merge_for(kind, q.shape[0] * q.shape[1])
+            attend = _by_kernel(reference, *chosen, kernels=kernels, rotation=static, output_groups=output_groups,
+                                window_contiguous=window_contiguous, merge=merge)
             positions = None if rotation is None else rotation.positions
             return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible, positions))
     out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
@@ -196,41 +195,11 @@ def sparse_attention(
     return out._replace(o=derotate_output(out.o, rotation.positions, rotation.freqs, rotation.scale))
 
 
-def _kernel_blocks(q, entries, picks, window_keys: int, kernels: KernelPlan) -> tuple[dict, bool] | None:
-    """(the kernel's blocks, interpret mode) where the plan asks for `sparse_attention_kernel`
-    on these shapes (`window_keys`: W of window_idx [B, S, W]), else None (the XLA path).
-
-    "interpret": the kernel in interpret mode (any backend). "auto": on CUDA where it measured
-    faster (`sparse_attention_kernel.default_blocks`); "pallas": on CUDA for every shape the
-    Triton kernel takes; both only where a GPU is the default backend (Pallas lowers Triton
-    kernels only there; a program exported for CUDA from a CPU machine keeps the XLA path),
-    chosen when the program is lowered for its platform (`_by_kernel`)."""
-    phase = sparse_attention_kernel.phase_of(q)
-    choice = kernels.attention(phase)
-    if choice == "xla":
-        return None
-    kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-    table = sparse_attention_kernel.default_blocks(kind, q.shape[0], phase, q.shape[1], q.dtype,
-                                                   0 if entries is None else entries.shape[1])
-    if choice == "auto" and table is None:  # not a shape the kernel measured faster on
-        return None
-    # The plan's blocks (A/B runs) wherever the kernel runs, else the table's, else the forced defaults.
-    given = kernels.blocks(phase)
-    blocks = (sparse_attention_kernel.as_blocks(given) if given is not None
-              else sparse_attention_kernel.fit_to_window(table or sparse_attention_kernel.forced_blocks(phase, q.dtype),
-                                                         window_keys))
-    if choice == "interpret":
-        return blocks, True
-    if jax.default_backend() != "gpu" or not sparse_attention_kernel.supported_on_gpu(q, **blocks):
-        return None
-    return blocks, False
-
-
-def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation: tuple | None = None,
+def _by_kernel(reference, blocks: dict, interpret: bool, kernels: KernelPlan, rotation: tuple | None = None,
                output_groups: int = 1, window_contiguous: bool = False, merge: str = "xla"):
     """``f(q, pool, window_idx, sinks, entries, picks, visible, positions) -> o`` by the kernel,
-    with a gradient: the backward kernel (`sparse_attention_backward`; ``backward="auto"`` where
-    the Triton kernel takes the shapes) or `reference`'s VJP. Not in interpret mode: the kernels
+    with a gradient: a backward kernel or `reference`'s VJP, as the plan's ``attention_backward``
+    names for the call (`KernelPlan.backward_for`). Not in interpret mode: the kernels
     on CUDA, `reference` (and its VJP) on any other platform the program is lowered for.
 
     `rotation`: None, or (freqs, scale) of the output's de-rotation at `positions` (an
@@ -238,12 +207,10 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     kernel then gets the de-rotated output as its residual, the cotangent rotated back, and the
     rotated channels' share of its `delta` (do' . o', computed here from their slices).
     `output_groups`: G, the cotangent goes to the backward kernel as [G, B*S, H/G, D]
-    (`sparse_attention`). ``backward="wgmma"``: the range kernels
-    (`sparse_attention_backward_wgmma`) where they take the call (`window_contiguous`: the
-    caller's promise that each window is a range), else as "auto". `merge`: how the kernel's
-    key splits are merged with the sink and de-rotated where it splits them ("xla", "pallas",
-    "interpret": `split_merge_kernel`, chosen from the plan's ``split_merge`` by
-    `split_merge_kernel.choose`)."""
+    (`sparse_attention`). `window_contiguous`: the caller's promise that each window is a range
+    (the range kernels, ``attention_backward="wgmma"``, may then take it). `merge`: how the
+    kernel's key splits are merged with the sink and de-rotated where it splits them ("xla",
+    "pallas", "interpret": `split_merge_kernel`, `KernelPlan.merge_for`)."""
 
     def on_platform(kernel, default):
         if interpret:
@@ -266,32 +233,15 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
     bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,
                       block_heads=sparse_attention_backward.BLOCK_HEADS)
 
-    def by_index(q):  # the Triton backward kernel
-        return interpret or sparse_attention_kernel.supported_on_gpu(q, **bwd_blocks)
-
-    def by_ranges(q, entries, picks):  # the Mosaic GPU range kernels
-        # "auto": HCA's calls on CUDA (windows and visible entries: 6-14% faster training steps
-        # on the H200, bench/RESULTS.md "Training", session 57); not in interpret mode, where
-        # they simulate warp groups (minutes a call on a CPU), nor for a window alone (sliding
-        # layers: not measured). "wgmma": wherever they take the call. In interpret mode only
-        # where the backward runs eagerly: under a jit, XLA's CPU pool can be too small for the
-        # simulated warp groups that wait on each other (a hang on 2 cores). CSA's picks are
-        # scattered, not ranges: its calls stay with the Triton kernel (its window by the range
-        # kernels beside it measured 1-3% slower, with up to 6.8 GB more memory for the
-        # window's float32 share of dq: bench/RESULTS.md "Training", session 55).
-        wanted = backward == "wgmma" or (backward == "auto" and entries is not None and not interpret)
-        return (wanted and picks is None and sparse_attention_backward_wgmma.takes(q, window_contiguous)
-                and sparse_attention_backward_wgmma.available(interpret) and not (interpret and is_tracer(q)))
-
-    def uses_backward_kernel(q, entries, picks):
-        return by_ranges(q, entries, picks) or (backward != "xla" and by_index(q))
+    def backward(q, entries, picks):
+        return kernels.backward_for(q, entries, picks, interpret=interpret, window_contiguous=window_contiguous)
 
     @jax.custom_vjp
     def call(*args):
         return attend(*args)
 
     def fwd(*args):
-        if not uses_backward_kernel(args[0], args[4], args[5]):
+        if backward(args[0], args[4], args[5]) == "xla":
             return attend(*args), (args, None, None)
 
         def reference_with_lse(*a):  # another platform's program: the reference (its VJP needs no lse)
@@ -319,15 +269,12 @@ def _by_kernel(reference, blocks: dict, interpret: bool, backward: str, rotation
                 do = _derotate_transpose(do, positions.reshape(1, b * s), *rotation)
                 delta_rotated = delta_rotated.transpose(1, 0, 2).reshape(b, s, h)
                 extra = dict(rotated=n, delta_rotated=delta_rotated)
-            if by_ranges(q, entries, picks):
+            which = backward(q, entries, picks)
+            if which == "wgmma":
                 return sparse_attention_backward_wgmma.sparse_attention_backward_wgmma(
                     q, pool, window_idx, sinks, o, lse, do, entries=entries, visible=visible,
                     interpret=interpret, do_groups=output_groups, **extra)
-            # "auto" and "cuda": CSA's calls by the CUDA handler where it takes them (a block a
-            # query row with all 64 heads: half the Triton kernel's key-gradient adds; a 4-layer
-            # CSA training step 13-15% faster at 4k on an H100, bench/RESULTS.md "Training").
-            cuda = (backward in ("auto", "cuda") and not interpret
-                    and sparse_attention_backward.cuda_takes(q, entries, picks))
+            cuda = which == "cuda"
             return sparse_attention_backward.sparse_attention_backward(
                 q, pool, window_idx, sinks, o, lse, do, entries=entries, picks=picks, visible=visible,
                 interpret=interpret, do_groups=output_groups, cuda=cuda, **bwd_blocks, **extra)

@@ -60,14 +60,6 @@ BLOCK_COLUMNS = 64  # without a rotation; with one, its 2 * half channels (V4: 6
 NUM_WARPS = 4
 
 
-def choose(choice: str, kind: str, rows: int) -> str:
-    """The merge a call gets from the plan's ``split_merge`` choice: "xla", "pallas" or
-    "interpret". kind: "csa", "hca" or "sliding"; rows: the call's query rows (B * S)."""
-    if choice != "auto":
-        return choice
-    return "pallas" if rows >= AUTO_MIN_ROWS.get(kind, float("inf")) else "xla"
-
-
 def block_columns(d: int, half: int) -> int:
     """bd: the rotated channels' width (each program then has either only rotated channels or
     none), else BLOCK_COLUMNS (at most D)."""
@@ -84,7 +76,7 @@ def block_heads(rows: int, heads: int, column_blocks: int = 1) -> int:
     return bh
 
 
-def takes(x: Array, rotation: tuple | None) -> bool:
+def supports(x: Array, rotation: tuple | None) -> bool:
     """Whether the Triton kernel takes partials of x's head dim D (x [..., D]: the queries or
     the partials): powers of two for Triton's tensors (D, the rotated channels' half), the
     unrotated channels a whole number of column blocks."""
