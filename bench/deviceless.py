@@ -153,7 +153,7 @@ def lowered(case: Case, device):
                 jitted, args = stack.jits[None], (stack.weights, caches, hidden, positions)
             specs = stack.specs
             if case.finite_flag:
-                from dsv4_jax.layer import finite_flag
+                from dsv4_jax.step import finite_flag
 
                 specs = tuple(finite_flag.flagged_spec(spec) for spec in specs)
             static = {"specs": specs}
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--size", default="flash")
     ap.add_argument("--finite-flag", action="store_true",
                     help="decode, prefill: the steps compute the module call's finite flag "
-                         "(dsv4_jax.layer.finite_flag)")
+                         "(dsv4_jax.step.finite_flag)")
     ap.add_argument("--decode-kernel", action="store_true",
                     help="the Pallas decode kernel for every decode shape it takes (as bench/stack.py's)")
     ap.add_argument("--decode-blocks", default=None, metavar="BK,BH,WARPS,STAGES",

@@ -33,7 +33,7 @@
 #   census    bench/deviceless.py --target attached: the launches of the decode stacks' programs as
 #             compiled here (autotuned), by stage and in a chain -> $OUT/census_attached.json (the CPU's
 #             deviceless census of the same cases is in bench/results/deviceless_census_*.json)
-#   finite    the finite check's verdict by the step's flag (dsv4_jax.layer.finite_flag): its tests with the
+#   finite    the finite check's verdict by the step's flag (dsv4_jax.step.finite_flag): its tests with the
 #             CUDA handler, then the module call with each finite-check way against the jitted step
 #             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
 #   trainab   the same for the training step: bench/train.py --size flash $TRAIN_ARGS $ARGS_T per variant,

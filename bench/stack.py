@@ -81,8 +81,8 @@ from bench import plan as plan_mod  # noqa: E402
 from dsv4_jax import numerics as numerics_mod  # noqa: E402
 from dsv4_jax.cache.quantized import check_kv_cache_dtype  # noqa: E402
 from dsv4_jax.config import CSA, HCA  # noqa: E402
-from dsv4_jax.layer import finite_flag  # noqa: E402
 from dsv4_jax.ops.kernel_plan import KernelPlan, as_kernel_plan  # noqa: E402
+from dsv4_jax.step import finite_flag  # noqa: E402
 from dsv4_jax.step import overlap as overlap_mod  # noqa: E402
 from dsv4_jax.step import pure_step as step_mod  # noqa: E402
 from dsv4_jax.tools.demo import stack_step  # noqa: E402
@@ -533,7 +533,7 @@ def call_overhead(size: str, dtype, steps: int, repeats: int, seed: int) -> dict
     the last step's outputs from the jitted step's. The layers keep the module's default,
     ``donate_cache=False`` (the jitted step then does not donate either): a donating layer
     checks device inputs before dispatch (`validation.finite_deferred`), a separate round trip.
-    Two more layers check with each way of the verdict (`dsv4_jax.layer.finite_flag`): written by the
+    Two more layers check with each way of the verdict (`dsv4_jax.step.finite_flag`): written by the
     step itself (``finite_flag.VERDICT = "flag"``): ``module_call_flag_ms``, ``flag_words`` the
     words it read (0 where the input is checked on the host, as on a CPU, or the native
     extension is missing); by the program before the step (``"guard"``): ``module_call_guard_ms``;

@@ -44,7 +44,7 @@ MOVED_MODULES = {
     "demo": "tools.demo",
     "diagnostics": "tools.diagnostics",
     "export": "io.export",
-    "finite_flag": "layer.finite_flag",
+    "finite_flag": "step.finite_flag",
     "head_norm_kernel": "ops.query_norm.pallas",
     "hf_reference": "io.hf_reference",
     "indexer": "ops.indexer.reference",

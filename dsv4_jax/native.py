@@ -16,7 +16,7 @@ target                      what it does
 ``[_graph]``                (codes and scale bytes, dequantized where the kernels load them)
 ``dsv4_topk[_graph]``       the top-k alone, on float32 scores (property tests, benchmarks)
 ``dsv4_finite_flag``        a step's finite verdict written into host memory the extension
-                            owns, where the eager call polls it (`dsv4_jax.layer.finite_flag`;
+                            owns, where the eager call polls it (`dsv4_jax.step.finite_flag`;
                             command-buffer compatible on CUDA)
 ``dsv4_sparse_attention_``  CUDA only: CSA's sparse attention backward for bf16, 64 heads of
 ``backward``                512 (csrc/sparse_attention_backward.h; `sparse_attention_backward`
@@ -233,7 +233,7 @@ def topk(scores, visible, *, top_k: int, graph: bool = True, segments: int | Non
 def finite_flag(finite):
     """bool scalar -> the same bool, computed after the handler wrote ``(seq << 1) | finite`` into
     the slot of this device in `finite_flag_slots` (seq: the handler's runs on the device so far,
-    this one included). Inside a step only (`dsv4_jax.layer.finite_flag`); the step must consume the
+    this one included). Inside a step only (`dsv4_jax.step.finite_flag`); the step must consume the
     returned copy, which keeps the call in the program and orders everything after it."""
     _register_all()
     return jax.ffi.ffi_call("dsv4_finite_flag", jax.ShapeDtypeStruct((), jnp.bool_))(finite)

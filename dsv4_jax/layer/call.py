@@ -22,8 +22,8 @@ import numpy as np
 
 from dsv4_jax.backend import to_host_memory
 from dsv4_jax.cache.contiguous import AttentionCache, advance_length
-from dsv4_jax.layer import finite_flag, validation
-from dsv4_jax.step import breaks, sharding
+from dsv4_jax.layer import validation
+from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step.pure_step import step_for, step_function
 
 

@@ -22,7 +22,7 @@ array is checked by a small program dispatched just before the step (`finite_def
 input, the step runs on its output, and the call reads the verdict once the step is
 dispatched, drops the results and raises the same error (the cache passed in is untouched;
 ~0.13 ms a call on an H200), or, with ``finite_flag.VERDICT = "flag"``, the step computes the
-verdict itself and writes it into host memory the call polls (`dsv4_jax.layer.finite_flag`). A
+verdict itself and writes it into host memory the call polls (`dsv4_jax.step.finite_flag`). A
 layer that donates its cache cannot drop a call's results, so there the check stays one jitted
 `isfinite().all()` reduction and its read before dispatch (on an H200, V4-Flash decode, +0.4-0.5
 ms per call; docs/misuse.md has the measurements). It is

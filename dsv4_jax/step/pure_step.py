@@ -47,7 +47,6 @@ from dsv4_jax.cache.contiguous import (
 )
 from dsv4_jax.cache.quantized import check_cache_numerics, read, read_picked
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dsv4_jax.layer import finite_flag
 from dsv4_jax.ops.compress.reference import CompressorWeights, compress, visible_entries
 from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.ops.indexer.reference import IndexerWeights, head_weights, index_queries
@@ -56,7 +55,7 @@ from dsv4_jax.ops.projection.pallas import projection
 from dsv4_jax.ops.query_norm.pallas import query_norm
 from dsv4_jax.ops.rope import apply_rope, attention_factor, inv_freq
 from dsv4_jax.ops.sparse_attention.reference import OutputRotation, key_pool, sparse_attention
-from dsv4_jax.step import breaks, sharding
+from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step import overlap as overlap_mod
 from dsv4_jax.step.plan import StepPlan
 

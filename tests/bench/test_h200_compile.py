@@ -59,7 +59,7 @@ def test_a_decode_step_is_one_cuda_graph_with_every_kernel(stack, batch):
 
 @pytest.mark.skipif(not NATIVE_CUDA, reason="the CUDA handlers are not built (no nvcc at install)")
 def test_the_finite_flag_stays_inside_the_cuda_graph():
-    """The module call's flag (`dsv4_jax.layer.finite_flag`): its custom call is a node of the step's graph."""
+    """The module call's flag (`dsv4_jax.step.finite_flag`): its custom call is a node of the step's graph."""
     row = _census("decode", "csa", 1, 256, kernels=EVERY_KERNEL, finite_flag=True)
     assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
     assert row["native_calls"] == 2  # the selection and the flag

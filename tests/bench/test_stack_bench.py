@@ -187,7 +187,8 @@ def test_the_call_overhead_times_every_finite_check_way(monkeypatch):
     """`call_overhead`: the module call with each finite-check mode and with the verdict by the
     step's flag, against the jitted step, on equal layers and inputs (the same outputs); the
     CPU's arrays taken for device-resident ones, so that the guard and the flag both run."""
-    from dsv4_jax.layer import finite_flag, validation
+    from dsv4_jax.layer import validation
+    from dsv4_jax.step import finite_flag
 
     monkeypatch.setattr(validation, "_host_resident", lambda value: False)
     rec = stack.call_overhead("tiny", jnp.float32, steps=2, repeats=1, seed=0)

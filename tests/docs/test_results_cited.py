@@ -73,7 +73,8 @@ def cited_records() -> dict[str, str]:
 
 def _dangling(files, **kw) -> list[str]:
     names = records()
-    return [f"{f.relative_to(ROOT)}: {token}" for f in files for token, patterns in citations(f.read_text(), **kw).items()
+    return [f"{f.relative_to(ROOT)}: {token}" for f in files
+            for token, patterns in citations(f.read_text(), **kw).items()
             if not any(fnmatch.fnmatchcase(n, p) for p in patterns for n in names)]
 
 

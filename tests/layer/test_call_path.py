@@ -22,9 +22,9 @@ from flax import nnx
 from dsv4_jax import DeepseekV4Attention, DeepseekV4Config
 from dsv4_jax.config import CSA
 from dsv4_jax.layer import call as call_path
-from dsv4_jax.layer import finite_flag, validation
 from dsv4_jax.layer import module as attention
-from dsv4_jax.step import breaks, sharding
+from dsv4_jax.layer import validation
+from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step.pure_step import AttentionWeights, attention_step, compiled_steps, step_function
 
 CFG = DeepseekV4Config.tiny()

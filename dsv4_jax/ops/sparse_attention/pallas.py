@@ -55,52 +55,11 @@ TARGET_PROGRAMS = 132
 NUM_WARPS = 8
 NUM_STAGES = 1  # Triton's software pipelining of the key-block loop (its gathered loads)
 
-# Where the kernel is the CUDA default, and with which (block_keys, block_heads, num_warps, num_stages),
-# keyed by (layer kind, phase, batch) with batch None for every batch: the cases it beat the
-# XLA path in, on the operation alone (measured with the op-level harness of the time, see the journal,
-# docs/journal/RESULTS_2026-11-30_to_2026-12-02.md; H200, V4-Flash bf16), us per op:
-#   decode (results/h200_decode_kernel_blocks_2026-12-01.json):
-#     CSA B = 1:  24.7 (bk 16, bh 32) against 28.9     HCA B = 1:  20.2 (bk 32, bh 16) against 30.3
-#     CSA B = 32: 58.6 at best against 56.8            HCA B = 32: 37.7 at best against 31.7
-#   so one-row decode only at first; decode batches kept the XLA path (its gathers are amortised
-#   over the rows, and the kernel's per-program loop is not) but for HCA's long caches (below).
-#   With Triton's pipelining (sweep of
-#   results/h200_decode_kernel_sweep_2026-12-01_s8.json) CSA B = 32 fell to 45.7 (bk 64, bh 64,
-#   2 stages) against 62.6 for the XLA op measured there, which gathers its window; inside the
-#   stack the XLA path reads the window in place and costs ~42 us a layer, so the batch entry
-#   waited for an in-stack A/B (`bench/stack.py --decode-kernel --decode-blocks 64,64,8,2`:
-#   session 50, below);
-#   HCA B = 32 stayed level (36.4 against 38.1);
-#   prefill of 4096 tokens (results/h200_prefill_kernel_blocks3_2026-12-01.json):
-#     CSA: 2359 (bk 64, bh 64, 8 warps, 3 stages) against 5473   HCA: 1231 (same) against 2532
-#   and with `skip_masked_blocks` (results/h200_prefill_kernel_blocks4_2026-12-01.json):
-#     CSA: 1998 with it against 2359 without (5450 XLA)          HCA: 1266 against 1241 at 4k, but
-#     at 64k-1M 43.4 / 282 / 823 / 2808 ms a layer against 51.2 / 433 / 1544 / 5600
-#     (64k / 256k / 512k / 1M; results/h200_hca_prefill_*_2026-12-02_s37.json): on for both
-#   for prompts of at least PREFILL_MIN_ROWS queries (B * S; shorter calls were not measured),
-#   in 2-byte compute dtypes: those blocks need 193 KiB of shared memory in bf16 and more than
-#   the H200's 227 KiB in float32 (a float32 prefill keeps the XLA path unless forced).
-#   HCA decode of a batch over a long cache (session 44, in-stack A/B on one machine, ms a layer,
-#   XLA path against the kernel with all 64 heads a program and 16 splits a row for B = 8,
-#   (64, 64, 8, 2, skip), results/h200_hca_decode_kernel_ab_2026-12-04_s44_*.json): B = 8 at
-#   1M 0.215 -> 0.152, 128k 0.121 -> 0.116, 64k 0.103 -> 0.109, 16k 0.096 -> 0.106; B = 32 at 1M
-#   0.565 -> 0.281, 128k 0.150 -> 0.136, 64k 0.127 -> 0.127. The XLA path reads every entry twice
-#   (logits, then values) and writes float32 logits [B, H, T] between; the kernel reads each
-#   entry once (one head block: 64 heads a program; the forced blocks' 32 heads read each entry
-#   twice and measured no better, results/h200_hca_decode_kernel_long_2026-12-02_s36.json). So
-#   the kernel from MIN_ENTRIES compressed entries in the cache (1024: a 128k-token cache at
-#   HCA's ratio 128), skipping the entry blocks past each row's visible ones (the cost then
-#   follows the context, not the cache's size).
-#   CSA decode of a batch (session 50, in-stack A/Bs on one machine, ms a layer, the XLA path in
-#   the processes before and after, results/h200_csa_decode_kernel_ab_2026-12-05_s50_*.json):
-#   the kernel with all 64 heads a program and 64-key blocks in 2 stages, (64, 64, 8, 2), at
-#   B = 32 2k 0.152 against 0.168 / 0.168, 16k 0.172 / 0.171 / 0.175 against 0.188 / 0.190 /
-#   0.191 / 0.187, 64k 0.218 / 0.221 against 0.256 / 0.234; at B = 8 level or a little slower
-#   (2k 0.136 against 0.130 / 0.135, 16k 0.150 / 0.146 / 0.141 against 0.143 / 0.142 / 0.140 /
-#   0.141, 64k 0.169 / 0.169 against 0.169 / 0.168 / 0.169). (64, 32, 8, 1) was close behind at
-#   B = 32 (0.154 at 2k, 0.177 at 16k). So the kernel from MIN_ROWS rows (16: between the 8
-#   measured level and the 32 measured faster; nothing between was run).
-# Sliding layers (window only) were not measured: the XLA path.
+# Where the kernel is the CUDA default, and with which (block_keys, block_heads, num_warps,
+# num_stages[, skip_masked_blocks]), keyed by (layer kind, phase, batch), batch None for every
+# batch: the cases it measured faster than the XLA path on the H200 (V4-Flash, bf16; the
+# measurements: docs/breaks_and_kernels.md, "Why the kernels' defaults"). Sliding layers (window
+# only) were not measured: the XLA path.
 CUDA_DEFAULT_BLOCKS = {
     ("csa", "decode", 1): (16, 32, 8, 1), ("hca", "decode", 1): (32, 16, 8, 1),
     ("hca", "decode", None): (64, 64, 8, 2, True), ("csa", "decode", None): (64, 64, 8, 2),
@@ -156,7 +115,7 @@ def fit_to_window(blocks: dict, window_keys: int) -> dict:
     (`window_keys` slots a query) would take a single key block: Triton then gives that block
     buffers of its own beside the pipelined entry blocks, and 64 heads of 512 with 64-key blocks
     asked for 262,656 bytes of shared memory in 3 stages, 262,400 in 2 with masked blocks
-    skipped (compiles for the H200 without one, session 65; it has 232,448), where V4's 128-key
+    skipped (a deviceless compile for the H200, which has 232,448), where V4's 128-key
     window (two blocks) takes 193 KiB. For the table's and the forced blocks; a plan's own
     blocks are taken as given."""
     keys = blocks["block_keys"]

@@ -1,4 +1,4 @@
-"""The finite check's verdict through the step's flag (`dsv4_jax.layer.finite_flag`).
+"""The finite check's verdict through the step's flag (`dsv4_jax.step.finite_flag`).
 
 On a GPU an eager call's device input is checked for NaN/inf after dispatch; with
 ``finite_flag.VERDICT = "flag"`` the step itself writes the verdict into host memory (the native
@@ -19,7 +19,8 @@ from test_call_path import PREFILL, _assert_same_calls, _decode, _hidden, _layer
 
 from dsv4_jax import native
 from dsv4_jax.layer import call as call_path
-from dsv4_jax.layer import finite_flag, validation
+from dsv4_jax.layer import validation
+from dsv4_jax.step import finite_flag
 from dsv4_jax.step.pure_step import compiled_steps
 
 needs_native = pytest.mark.skipif(not NATIVE_BUILT, reason="the native handlers are not built here")
