@@ -48,16 +48,16 @@ source "$(dirname "$0")/gpu_build.sh"
 
 gates() {
   timeout "${GATES_TIMEOUT:-420}" python3 -m pytest -q -s -p no:cacheprovider --durations=10 \
-    tests/test_sparse_attention_backward.py tests/test_sparse_attention_backward_wgmma.py tests/test_gradients.py \
-    tests/test_sparse_attention_kernel.py \
-    tests/test_compressor_kernel.py tests/test_indexer_kernel.py tests/test_head_norm_kernel.py \
-    tests/test_projection_kernel.py tests/test_split_merge_kernel.py ${GATES_K:+-k "$GATES_K"} \
+    tests/ops/test_sparse_attention_backward.py tests/ops/test_sparse_attention_backward_wgmma.py tests/step/test_gradients.py \
+    tests/ops/test_sparse_attention_kernel.py \
+    tests/ops/test_compressor_kernel.py tests/ops/test_indexer_kernel.py tests/ops/test_head_norm_kernel.py \
+    tests/ops/test_projection_kernel.py tests/ops/test_split_merge_kernel.py ${GATES_K:+-k "$GATES_K"} \
     >"$OUT/gpu_gates.log" 2>&1
   echo "kernel gates rc=$?"
   grep -E "bf16|passed|failed|FAILED|Error" "$OUT/gpu_gates.log" | tail -40
   if [ "${GOLDEN:-1}" = 1 ]; then
-    timeout "${GOLDEN_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
-      tests/test_numerics.py tests/test_quantized_cache.py -k "(golden and none) or agree_on_csa or official_golden or gpu_fp8" \
+    timeout "${GOLDEN_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/layer/test_attention.py \
+      tests/test_numerics.py tests/cache/test_quantized_cache.py -k "(golden and none) or agree_on_csa or official_golden or gpu_fp8" \
       >"$OUT/gpu_golden.log" 2>&1
     echo "golden replays + mode agreement rc=$?"
     grep -E "passed|failed|FAILED|Error" "$OUT/gpu_golden.log" | tail -8
@@ -145,7 +145,7 @@ overlap() {
 }
 
 fp8() {
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_quantized_cache.py -k gpu \
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/cache/test_quantized_cache.py -k gpu \
     >"$OUT/fp8_tests.log" 2>&1
   echo "fp8 tests rc=$?"; tail -3 "$OUT/fp8_tests.log"
   timeout "${STACK_TIMEOUT:-420}" python3 bench/stack.py --size flash --scenarios stack_decode --same-buffers all \
@@ -228,8 +228,8 @@ census() {  # bench/deviceless.py's census of the H200's own (autotuned) program
 }
 
 finite() {
-  timeout "${FINITE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_finite_flag.py \
-    tests/test_call_path.py -k "finite" >"$OUT/gpu_finite.log" 2>&1
+  timeout "${FINITE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/step/test_finite_flag.py \
+    tests/layer/test_call_path.py -k "finite" >"$OUT/gpu_finite.log" 2>&1
   echo "finite flag tests rc=$?"
   grep -E "passed|failed|FAILED|Error|Warning" "$OUT/gpu_finite.log" | tail -12
   timeout "${OVERHEAD_TIMEOUT:-240}" python3 bench/stack.py --call-overhead-only --call-overhead-size flash \

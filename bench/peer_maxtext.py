@@ -20,7 +20,7 @@ donated, compiled ahead of time (`lower().compile()`: compile time is reported a
 XLA's memory analysis of the compiled program is the recorded peak memory and decides the cap
 before anything runs).
 
-Known differences from the reference (measured in `tests/test_maxtext_peer.py` and written up
+Known differences from the reference (measured in `tests/bench/test_maxtext_peer.py` and written up
 in `bench/RESULTS.md`), kept as they are:
 
 * no YaRN on the compressed rope (`DeepSeekV4RotaryEmbedding` of 0.2.5 has no scaling);

@@ -6,7 +6,7 @@
 `SOURCES` is the list of cited records (each a JSON file under bench/results/ with the command,
 the machine and the commit that added it); every figure of the page is read from one of them by
 the extractor named in its entry, nothing typed in by hand. To move a figure forward, add the new
-record, point its entry (or a new one) at it, and write the page; `tests/test_results_table.py`
+record, point its entry (or a new one) at it, and write the page; `tests/bench/test_results_table.py`
 checks that the committed page is this script's output. The sections from "## Training (issue 28)"
 on are written by hand and kept as they are by `--write`.
 """

@@ -18,7 +18,7 @@ Inputs (the layers' weights and the attention inputs of every call):
   reproducible from this script alone.
 
 The `RECORDINGS` table is the one place for each recording's config, schedule, batch and
-seed; tests/test_golden_record.py checks the committed files against it.
+seed; tests/io/test_golden_record.py checks the committed files against it.
 """
 
 from __future__ import annotations

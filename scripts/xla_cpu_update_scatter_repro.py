@@ -9,7 +9,7 @@ with jax 0.10.2 and 0.12 (CPU). XLA fuses the update into a
 wrong. The same happened with the queries' update feeding the Pallas kernel in interpret mode
 (the CPU tests). `apply_rope` therefore updates in place only where asked, and then only on
 CUDA (`backend.update_trailing`, by `platform_dependent`; the GPU gates: the golden replays and
-the layer with and without the kernel, tests/test_sparse_attention_kernel.py).
+the layer with and without the kernel, tests/ops/test_sparse_attention_kernel.py).
 
     python scripts/xla_cpu_update_scatter_repro.py      # prints "bug reproduced" while it exists
 """

@@ -281,7 +281,7 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
     assert rel_err(np.asarray(scores)[seen], np.asarray(xla.scores)[seen]) < 1e-5
     # The layer's native selection with the handler's scoring hands the stored form over (no
     # dequantized copy of the keys). Pinned: on CUDA "auto" scores these 4 queries a row with the
-    # Pallas kernel, which reads a dequantized copy unless select_keys="stored" (tests/test_indexer_kernel.py).
+    # Pallas kernel, which reads a dequantized copy unless select_keys="stored" (tests/ops/test_indexer_kernel.py).
     handler_scoring = dsv4_jax.KernelPlan(select="native", select_scores="native")
     select = plan_step(CSA, "none", kernels=handler_scoring).indexer_select()
     lowered = jax.jit(lambda q, w, rows, v: select(q, w, rows, v, top_k=64).picks).lower(q, w, rows, visible)
@@ -291,7 +291,7 @@ def test_select_topk_reads_packed_fp4_keys(heads, dim, slots, dtype):
         q, w, rows, visible)
     assert "dsv4_select_topk_fp4" not in lowered.as_text() and "dsv4_select_topk" in lowered.as_text()
     # The default everywhere: the stored form for the handler's scoring ("auto" stays in the plan:
-    # the Pallas scoring kernel reads a dequantized copy unless "stored", tests/test_indexer_kernel.py).
+    # the Pallas scoring kernel reads a dequantized copy unless "stored", tests/ops/test_indexer_kernel.py).
     assert dsv4_jax.KernelPlan().resolve("cpu", True).select_keys == "auto"
     assert dsv4_jax.KernelPlan().resolve("cuda", True).select_keys == "auto"
     with pytest.raises(ValueError, match=r"kernels\.select_keys"):

@@ -6,7 +6,7 @@ FP8 e4m3 blocks of 64 with power-of-two scales over its non-RoPE channels, the i
 on FP4 e2m1 blocks of 32. Storing those rows as grid values plus one scale byte per block
 loses nothing: a stored row dequantizes to exactly the value the bf16 cache would hold, so a
 layer with ``kv_cache_dtype="fp8"`` gives the same picks and outputs, bit for bit, as with
-the bf16 cache (tests/test_quantized_cache.py). This is the layout vLLM's DeepSeek-V4 keeps
+the bf16 cache (tests/cache/test_quantized_cache.py). This is the layout vLLM's DeepSeek-V4 keeps
 (``fp8_ds_mla``: 448 e4m3 values, 64 bf16 RoPE values and 7 UE8M0 scales a main KV row; the
 indexer's keys as MXFP4, two e2m1 codes a byte and a UE8M0 scale a block of 32, its 68-byte
 variant), as a typed pytree of three arrays instead of one byte record:

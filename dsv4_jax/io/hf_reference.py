@@ -114,7 +114,7 @@ def official_roundings(rope_dim: int):
     (`dsv4_jax.numerics`, docs/numerics.md): the attention's keys and the CSA/HCA compressors'
     new entries onto the FP8 grid (`round_kv_official`), the indexer's entries and queries by
     Hadamard + FP4 (`round_indexer_official`), each right after its RoPE. An independent
-    placement of the roundings to check `numerics="official"` against (tests/test_hf_live.py).
+    placement of the roundings to check `numerics="official"` against (tests/io/test_hf_live.py).
 
     HF's module-level `apply_rotary_pos_emb` is replaced for the block's duration (not thread
     safe; restored on exit): the wrapper rounds the result when its caller is one of

@@ -165,7 +165,7 @@ def wide_host_call(fn: Callable[..., Any], *args):
 
     The host stages carry gradients (wq_b, the compressors' pooling, the cache inserts) that a
     callback cannot give. Every break mode computes the same values (the project's contract,
-    tests/test_attention.py), so the backward is the VJP of `fn` traced in the graph on the
+    tests/layer/test_attention.py), so the backward is the VJP of `fn` traced in the graph on the
     same inputs: `fn` runs again there, once, under the pullback (what `jax.checkpoint` would
     recompute), and the gradients are break_mode="none"'s with the XLA selection. Reverse mode
     only (a `jax.custom_vjp`, as the kernels are).

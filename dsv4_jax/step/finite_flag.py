@@ -15,7 +15,7 @@ back one of two ways, `VERDICT`:
   the step's chain of launches, which gains one, the reduction).
 
 ``"auto"`` (the default) is ``"flag"``: gated on the CPU and on an H200 (the handler's tests,
-tests/test_finite_flag.py, with the CUDA handler), where the module call of a V4-Flash CSA decode
+tests/step/test_finite_flag.py, with the CUDA handler), where the module call of a V4-Flash CSA decode
 step cost 0.065 ms over the jitted step with it, against 0.181 ms with the guard (0.063 with
 ``check_finite="host"``, 0.029 without a check; `bench/stack.py --call-overhead`, session 50,
 bench/results/h200_call_overhead_2026-12-05_s50.json). ``"flag"`` falls back to the guard

@@ -52,7 +52,7 @@ layer is not meant to be called inside a user's own `shard_map`; the eager call'
 ``cache.length`` is its host mirror (a NumPy array), so it is the one cache leaf without a
 device sharding. The cache writes (`backend.scatter_rows`) are vmapped per-row scatters,
 which XLA's partitioner splits along the batch: a decode step on a data mesh compiles with no
-collective (tests/test_sharding.py checks it).
+collective (tests/step/test_sharding.py checks it).
 """
 
 from __future__ import annotations

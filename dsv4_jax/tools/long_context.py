@@ -1,7 +1,7 @@
 """Long context: what a cache costs per token, how large a prefill chunk fits, a chunked prefill.
 
 The layer is chunk invariant: any schedule of calls gives the result of one call over the
-whole sequence (`tests/test_properties.py`, `tests/test_long_context.py`). A prompt of any
+whole sequence (`tests/layer/test_properties.py`, `tests/tools/test_long_context.py`). A prompt of any
 length can therefore run through a layer, or through a model's stack of layers, in chunks,
 and only one chunk's temporaries exist at a time: `prefill` does that, with chunks sized by
 `prefill_chunk_size` from the memory available.
@@ -199,7 +199,7 @@ def prefill_chunk_terms(cfg: DeepseekV4Config, layer_type: str, batch: int, chun
 
     A sum of the step's large temporaries, each counted as a separate buffer (XLA reuses some:
     on XLA:CPU the estimate was 1.3-5.3x what its buffer assignment reserves, tiny and small
-    configs, chunks of 1 to 2048; `tests/test_long_context.py` checks it bounds that from
+    configs, chunks of 1 to 2048; `tests/tools/test_long_context.py` checks it bounds that from
     above). ``e`` is the compute dtype's size (`dtype`).
 
     Per token of the chunk (x B*S):
@@ -483,7 +483,7 @@ def prefill(layers, hidden_states, caches, *, chunk_size: int | None = None, mem
     Each chunk is one call of each layer (the module call: its checks, its compiled step; one
     compile per chunk length, so the last, shorter chunk compiles once more). The result equals
     one call's within float32 rounding, every cache leaf included (chunk invariance; tested at
-    the chunk sizes this takes in `tests/test_long_context.py`). The caches passed in stay
+    the chunk sizes this takes in `tests/tools/test_long_context.py`). The caches passed in stay
     valid unless the layers donate their caches (``donate_cache=True``); a prompt longer than a
     cache's room is refused before any chunk runs (`ValueError` naming ``hidden_states``).
     """
@@ -527,7 +527,7 @@ def readme_tables() -> list[str]:
     `prefill_chunk_size` for a V4-Flash stack of CSA and HCA layers (bf16, B = 1, a
     1,048,576-token cache, the caches donated, the native indexer as on a GPU where it is
     built) within 16, 40 and 100 GiB. `python -m dsv4_jax.tools.long_context` prints them;
-    `tests/test_long_context.py` checks docs/long_context.md holds them."""
+    `tests/tools/test_long_context.py` checks docs/long_context.md holds them."""
     context = 1 << 20
     flash = DeepseekV4Config.flash()
     return [

@@ -6,7 +6,7 @@ execution mode, eager and under the user's `jax.jit`), with identical indexer pi
 slots output zeros and change nothing in the cache; `cache.length` counts real tokens;
 `reset_rows` empties rows and the same compiled step keeps serving. The misuse rows (padding
 inside a row, a row not continuing its own length, a call of padding only) are in
-tests/test_misuse.py, eager and as checkify checks.
+tests/layer/test_misuse.py, eager and as checkify checks.
 
 Compile time bounds the cost: two ragged call shapes ([3, 13] and [3, 1]) per layer and
 mode, three single-row shapes (13, 5, 1) for the references.

@@ -3,7 +3,7 @@
 Each notebook is executed by nbclient in a fresh `python3` kernel (jupyter_client starts it
 with this interpreter, `sys.executable`), with the working directory notebooks/, as Jupyter
 would. Code cells tagged ``picture`` must produce an image/png output. The execution is a job
-of helpers.JOBS (``python tests/test_notebooks.py NAME DIR`` writes the executed notebook to
+of helpers.JOBS (``python tests/docs/test_notebooks.py NAME DIR`` writes the executed notebook to
 DIR): it runs beside the rest of the suite, and the test checks the notebook it left.
 """
 
@@ -83,7 +83,7 @@ def test_notebook_committed_small(name):
             assert not cell.outputs and cell.execution_count is None, f"{name}: commit it with outputs cleared"
 
 
-if __name__ == "__main__":  # the job of test_notebook_runs: python tests/test_notebooks.py NAME DIR
+if __name__ == "__main__":  # the job of test_notebook_runs: python tests/docs/test_notebooks.py NAME DIR
     executed, took = _run(sys.argv[1], Path(sys.argv[2]))
     nbformat.write(executed, Path(sys.argv[2]) / sys.argv[1])
     (Path(sys.argv[2]) / "seconds").write_text(repr(took))

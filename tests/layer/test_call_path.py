@@ -479,7 +479,7 @@ def test_an_accelerator_input_is_checked_for_finite_values_after_dispatch(monkey
     raises the same error, the cache stays the caller's and usable; no step is compiled for
     it; a donating layer keeps the check before dispatch. The verdict's way here is the guard
     (`finite_flag.VERDICT`); the step's own flag, the default where the native extension is
-    built: tests/test_finite_flag.py."""
+    built: tests/step/test_finite_flag.py."""
     monkeypatch.setattr(finite_flag, "VERDICT", "guard")
     ran, kinds = [], set()
     real = call_path._FINITE_GUARD

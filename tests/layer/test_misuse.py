@@ -89,7 +89,7 @@ MISUSE = {
     "positions_restart": (lambda g, a, c: (_h(g, 0), g.call(CSA_LAYER, 0)["positions"], c), ValueError,
                           r"positions: expected row 0 to continue the cache at 9 \(9 \.\. 17\), "
                           r"got \[0, 1, \.\.\., 8\]"),
-    # Ragged batches (padded slots at -1 after a row's real tokens; tests/test_ragged.py):
+    # Ragged batches (padded slots at -1 after a row's real tokens; tests/cache/test_ragged.py):
     "positions_padding_inside": (lambda g, a, c: (np.repeat(_h(g), 2, 1), np.asarray([[-1, 9]], np.int32), c),
                                  ValueError, r"positions: expected row 0's real tokens first, then its padded "
                                              r"slots \(-1\), got \[-1, 9\]"),

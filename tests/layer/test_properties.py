@@ -9,7 +9,7 @@ and a schedule may end exactly at the last position, after which one more token 
 Compile time bounds the cost: chunk lengths come from a small set and the one-shot
 references from one compiled length, so the number of compiled steps stays bounded
 (3 layers x 2 batch sizes x 5 lengths) whatever hypothesis draws. For a deeper search set
-DSV4_HYPOTHESIS_EXAMPLES (default 25), e.g. ``DSV4_HYPOTHESIS_EXAMPLES=200 pytest tests/test_properties.py``.
+DSV4_HYPOTHESIS_EXAMPLES (default 25), e.g. ``DSV4_HYPOTHESIS_EXAMPLES=200 pytest tests/layer/test_properties.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ layer takes them in interpret mode only where its backward runs eagerly. On CUDA
 kernels at V4-Flash size (the GPU tests). bf16 only: the cotangents equal the Triton kernel's
 (interpret mode, up to the order of float32 sums) and are as close to the float32 XLA VJP as the
 Triton kernel's; CSA's calls (scattered picks) stay with the Triton kernel. Deviceless
-compilation for the H200: tests/test_h200_compile.py.
+compilation for the H200: tests/bench/test_h200_compile.py.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_the_cuda_default_table():
 def test_blocks_are_fitted_to_a_window_of_one_key_block():
     """A window that one key block holds (V4's 128 keys take two of 64) gets half the keys a block:
     Triton buffers its block beside the pipelined entry blocks, past the H200's shared memory at
-    64 heads of 512 (tests/test_h200_compile.py compiles it). 32-key blocks are kept."""
+    64 heads of 512 (tests/bench/test_h200_compile.py compiles it). 32-key blocks are kept."""
     prefill = sak.default_blocks("csa", 1, "prefill", 4096)
     assert sak.fit_to_window(prefill, 128) == prefill
     assert sak.fit_to_window(prefill, 64) == {**prefill, "block_keys": 32}

@@ -6,7 +6,7 @@ subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the othe
 in the one-device process), started with the session beside the in-process tests (a job of
 helpers.JOBS). Run directly on 8 devices, the tests run as themselves:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/test_sharding.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/step/test_sharding.py
 
 Checked: every mode (none with XLA or native selection, narrow on host and device, wide) x
 layer type under a data mesh (8 x 1) and a data x model mesh (4 x 2) equals one device within

@@ -19,7 +19,7 @@ nothing skips it (it writes zeros, which nothing reads).
 Numerics are the XLA path's (`compressor._pool`): float32 gate logits, probabilities rounded
 to the kv dtype, the products in the kv dtype, their sum accumulated in float32 and rounded
 once. Only the order of the float32 sums may differ, so float32 agrees within rounding and
-bf16 within one rounding of the entry (`tests/test_compressor_kernel.py`).
+bf16 within one rounding of the entry (`tests/ops/test_compressor_kernel.py`).
 
 `compressor.compress` chooses it as the step's `KernelPlan` says (``compress``): by default on
 CUDA at every batch, where it is a Triton kernel inside the step's CUDA graph (it measured faster

@@ -170,7 +170,7 @@ def index_scores_fp4(queries: Array, weights: Array, codes: Array, scale_bytes: 
     of grid "fp4": codes uint8 [B, T, c / 2], scale_bytes uint8 [B, T, c / 32]), each key
     decoded where it is loaded (`decode_fp4`) to `dtype`, the cache's: 68 bytes a key read
     instead of 256, and the scores of `index_scores` over the dequantized keys, bit for bit
-    (the same values through the same dot; tests/test_indexer_kernel.py)."""
+    (the same values through the same dot; tests/ops/test_indexer_kernel.py)."""
     if codes.shape[-1] % scale_bytes.shape[-1] or (2 * codes.shape[-1]) // scale_bytes.shape[-1] != 32:
         raise ValueError(f"scale_bytes: expected one scale per 32 channels of {2 * codes.shape[-1]}, got "
                          f"{scale_bytes.shape[-1]}")

@@ -18,7 +18,7 @@ split) at 2.4-2.7 TB/s: 10-16% faster for ``wo_a``, ``wo_b`` and the input proje
     out [Mp, G*N]  float32 accumulation over K, rounded once to x's dtype
 
 Numerics are XLA's GEMM's: operands in the layer's dtype, float32 accumulation, one rounding;
-only the order of the float32 sums may differ (`tests/test_projection_kernel.py`). The kernel
+only the order of the float32 sums may differ (`tests/ops/test_projection_kernel.py`). The kernel
 differentiates as the XLA einsum (`backend.differentiated_as`).
 
 Where it runs is the step's `KernelPlan` ``projections``: "auto" keeps XLA's products everywhere:

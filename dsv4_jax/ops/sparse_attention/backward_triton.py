@@ -44,7 +44,7 @@ last entry block with a key are skipped (HCA's visible prefix, a prompt's early 
 
 Numerics follow the reference's VJP up to the order of float32 sums and where it rounds the
 logits' and values' cotangents to the compute dtype (here they stay float32): float32 equals
-the XLA VJP within ~1e-5 (`tests/test_sparse_attention_backward.py`); bf16 within bf16 rounding.
+the XLA VJP within ~1e-5 (`tests/ops/test_sparse_attention_backward.py`); bf16 within bf16 rounding.
 
 CSA's calls in bf16 at 64 heads of 512 (V4-Flash's shapes; V4-Pro's 128 heads take the Triton
 kernel) can go to a CUDA handler instead

@@ -65,7 +65,7 @@ wgmma operand then swizzled over 64 bytes), an A/B candidate (`DQ_KEYS, DQ_STAGE
 interpret mode and compiled, not measured; the dkv kernel would need head tiles of 32. Session 54:
 both kernels spilled registers (255 a thread, the wgmma descriptors of fixed buffers hoisted out of
 the loops); the buffers are now indexed through `_opaque_zero` and neither spills (checked on a
-deviceless compile, tests/test_h200_compile.py).
+deviceless compile, tests/bench/test_h200_compile.py).
 """
 
 from __future__ import annotations

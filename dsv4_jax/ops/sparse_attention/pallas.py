@@ -26,7 +26,7 @@ Numerics follow the XLA path: the logits are rounded to the compute dtype before
 (the reference's order), probabilities go to the compute dtype for the weighted sum, which
 accumulates in float32. The difference: the XLA path normalises the probabilities before that
 cast, the kernel after the sum (flash decoding), so bf16 results differ in the last bits;
-float32 agrees within 2e-5 (`tests/test_sparse_attention_kernel.py`).
+float32 agrees within 2e-5 (`tests/ops/test_sparse_attention_kernel.py`).
 
 No attention masses (they keep the XLA path). `sparse_attention` chooses this kernel as the
 step's `KernelPlan` says: by default on CUDA where it measured faster (`default_blocks`), the XLA

@@ -23,7 +23,7 @@ in-place update at B = 32; two reductions and a merge at B = 1; `bench/deviceles
 The same arithmetic as `combine` then `apply_rope` in the same order (float32 throughout, one
 rounding before the rotation and one after it, cos and sin computed by XLA as `apply_rope`
 computes them: `rope.rotation_tables`); only a compiler's choices (fused multiply-adds, its
-exp) may move a bf16 result by one unit in the last place (`tests/test_split_merge_kernel.py`).
+exp) may move a bf16 result by one unit in the last place (`tests/ops/test_split_merge_kernel.py`).
 
 Used where the decode kernel runs with several splits and no log-normaliser is needed (the
 primal of a decode step, not a training step's forward); the step's `KernelPlan` ``split_merge``
