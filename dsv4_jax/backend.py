@@ -58,8 +58,8 @@ def to_host_memory(x: Array) -> Array:
     default device has such memory, else `x`. For a small result the host reads right after
     the program (the layer's finite verdict, `call_path.finite_guard`): the program writes it
     there itself, so reading it is no device-to-host transfer of its own (on an H200 ~0.09 ms
-    after a step, against ~0.24 ms for a device array's read; measured with the harness of the time,
-    see the journal, docs/journal/RESULTS_2026-11-30_to_2026-12-02.md)."""
+    after a step, against ~0.24 ms for a device array's read; docs/breaks_and_kernels.md, "Why the kernels' defaults").
+    """
     return jax.device_put(x, jax.memory.Space.Host) if _has_pinned_host() else x
 
 
@@ -116,7 +116,7 @@ def padded_rows_product(subscripts: str, a: Array, b: Array, *, precision=None, 
 # matrix-vector product, which XLA:GPU (jax 0.11) emits as reduction fusions at a fraction of
 # the memory bandwidth; on 8 rows (the real one, then zeros) it is a GEMM. On the H200 that
 # took the input projections of a V4-Flash B = 1 decode step from 65 to 13 us per layer
-# (issue 9; the journal, docs/journal/RESULTS_2026-11-30_to_2026-12-02.md). On the CPU the
+# (docs/breaks_and_kernels.md, "Why the kernels' defaults"). On the CPU the
 # padding costs 2x (XLA:CPU's GEMV is fine), so it is CUDA only. (Repeating the row instead of
 # zeros measured no gain, 2026-12-02.)
 GPU_DOT_ROWS = 8

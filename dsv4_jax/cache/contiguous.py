@@ -108,8 +108,7 @@ def next_positions(length: Array, seq: int) -> Array:
     positions=None, ...)``): every slot real, every row continuing its cache. Derived inside a
     jitted step, the positions are no argument of the compiled program: a decode loop then
     hands the program no new buffer for them each step (XLA re-records the commands of a CUDA
-    graph that read a buffer which moved; docs/journal/RESULTS_2026-11-30_to_2026-12-02.md,
-    "Same buffers every step").
+    graph that read a buffer which moved; docs/breaks_and_kernels.md, "Why the kernels' defaults").
     NumPy in, NumPy out (the host mirror); JAX in, JAX out."""
     if isinstance(length, np.ndarray):
         return (length[:, None] + np.arange(seq, dtype=np.int32)).astype(np.int32)

@@ -38,8 +38,8 @@ def finite_guard(hidden_states):
     it says so, drops the step's results and raises (the cache is not donated: unchanged). The
     step itself is the layer's ordinary one (no second compiled step for the check). On the
     H200 the call costs ~0.18 ms over the jitted step with this check, as it did with the
-    verdict computed inside the step and read after it (docs/journal/RESULTS_2026-11-30_to_2026-12-02.md,
-    "The decode window read in place"): one more program or one more host-memory read, ~0.13 ms either way.
+    verdict computed inside the step and read after it: one more program or one more host-memory
+    read, ~0.13 ms either way (docs/breaks_and_kernels.md, "Why the kernels' defaults").
     """
     finite = jnp.all(jnp.isfinite(hidden_states))
     return to_host_memory(finite), jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))

@@ -119,9 +119,9 @@ class KernelPlan:
                        of 512, bf16, where the CUDA extension is built), else as "triton". "auto":
                        "wgmma" for HCA's calls on CUDA (on the H200 a 4-layer HCA training step
                        6-14% faster at B = 1 and 4, 4k and 16k, with 0.4-2.9 GB less peak memory
-                       and 4-6 s more compile: bench/RESULTS.md "Training"), "cuda" for CSA's (on
-                       an H100 a 4-layer CSA training step 13-15% faster at 4k), else "triton"
-                       (sliding windows, float32, interpret mode). "xla": the XLA reference's VJP
+                       and 4-6 s more compile), "cuda" for CSA's (on an H100 a 4-layer CSA
+                       training step 13-15% faster at 4k; docs/breaks_and_kernels.md, "Why the kernels' defaults"),
+                       else "triton" (sliding windows, float32, interpret mode). "xla": the XLA reference's VJP
     decode_blocks, prefill_blocks: the sparse attention kernel's blocks wherever it runs for that
         phase (A/B runs): (block_keys, block_heads, num_warps, num_stages[, skip_masked_blocks]);
         None: the measured table's (`sparse_attention_kernel.CUDA_DEFAULT_BLOCKS`) where it has
@@ -135,15 +135,16 @@ class KernelPlan:
                        Pallas scoring kernel, `indexer_kernel.index_scores_fp4`), "dequantized" a
                        dequantized copy (A/B runs; the same picks, bit for bit). "auto": the
                        stored form for the handler (on the H200 its selection takes 4.2x less
-                       time than with the copy at B = 8, 1M: bench/RESULTS.md "FP8 caches"), the
-                       copy for the Pallas kernel (its stored-form reading, gated on the H200, made a CSA 64k
-                       prefill 1.5x slower: bench/RESULTS.md "FP8 caches").
+                       time than with the copy at B = 8, 1M), the copy for the Pallas kernel
+                       (its stored-form reading, gated on the H200, made a CSA 64k prefill 1.5x
+                       slower; docs/breaks_and_kernels.md, "Why the kernels' defaults").
     select_scores:     "auto" | "native" | "pallas" | "interpret"  where the selection is native,
                        the scores its top-k picks from: "native" the handler's own scoring,
                        "pallas" the Pallas scoring kernel (`indexer_kernel`; on CUDA, for the
                        bf16 operands it takes, else "native"), "interpret" that kernel in
                        interpret mode. "auto": "pallas" for calls of several queries a row
-                       (bench/RESULTS.md "Where a CSA prefill goes"), "native" for decode steps.
+                       (measured faster for prefill chunks, `indexer_kernel`), "native" for decode
+                       steps.
                        An FP8 cache's keys reach the kernel as `select_keys` says (either way
                        the values of a bf16 cache's keys: the same scores, bit for bit).
     """

@@ -17,8 +17,8 @@ back one of two ways, `VERDICT`:
 ``"auto"`` (the default) is ``"flag"``: gated on the CPU and on an H200 (the handler's tests,
 tests/step/test_finite_flag.py, with the CUDA handler), where the module call of a V4-Flash CSA decode
 step cost 0.065 ms over the jitted step with it, against 0.181 ms with the guard (0.063 with
-``check_finite="host"``, 0.029 without a check; `bench/stack.py --call-overhead`, session 50,
-bench/results/h200_call_overhead_2026-12-05_s50.json). ``"flag"`` falls back to the guard
+``check_finite="host"``, 0.029 without a check; `bench/stack.py --call-overhead`;
+docs/breaks_and_kernels.md, "Why the kernels' defaults"). ``"flag"`` falls back to the guard
 where the platform's native extension is not built.
 
 How the call knows its word: ``seq`` counts the handler's runs on a device, and every flagged
@@ -55,9 +55,9 @@ def flagged(hidden_states):
     """Inside the step, at its start: (`hidden_states` with a non-finite input zeroed, the flag).
     The verdict ``all(isfinite(hidden_states))`` goes to the host (`native.finite_flag`) beside
     the step, not before it: the zeroing takes the reduction's verdict itself, so the handler is
-    not a link of the step's chain of launches (one launch more, the reduction, not two:
-    bench/RESULTS.md "A step's launches"), and nothing downstream (the native selection, a host
-    break) sees a NaN of a call whose results the host will drop. The step's output must take
+    not a link of the step's chain of launches (one launch more, the reduction, not two;
+    docs/breaks_and_kernels.md, "Why the kernels' defaults"), and nothing downstream (the native selection,
+    a host break) sees a NaN of a call whose results the host will drop. The step's output must take
     the flag (`joined`), which keeps the handler in the program."""
     finite = jnp.all(jnp.isfinite(hidden_states))
     flag = native.finite_flag(finite)

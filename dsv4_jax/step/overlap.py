@@ -21,7 +21,7 @@ attention and the output projection.
 
 `overlap` (the layer's option, resolved into the step's plan, `StepPlan.overlap`):
 
-* ``"auto"`` (default): on where it measured faster (CUDA: bench/RESULTS.md "Overlap"), off
+* ``"auto"`` (default): on where it measured faster (CUDA; docs/breaks_and_kernels.md, "Why the kernels' defaults"), off
   elsewhere;
 * ``"on"``: CONCURRENT on CUDA; other platforms have no such schedule and run as "off";
 * ``"off"``: XLA's schedule as the process has it (LHS unless ``XLA_FLAGS`` says otherwise).
@@ -41,7 +41,7 @@ from dsv4_jax.config import check_choice
 
 OVERLAP_CHOICES = ("auto", "on", "off")
 SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
-# Where "auto" turns the overlap on: the platforms it measured faster on (bench/RESULTS.md).
+# Where "auto" turns the overlap on: the platforms it measured faster on (see the module docstring).
 AUTO_ON = ("cuda",)
 
 

@@ -107,12 +107,11 @@ def fuse_input_projections(weights: AttentionWeights) -> AttentionWeights:
 
     Why: the projections share their input, and XLA:GPU merges such GEMMs into one over the
     concatenation of their weights; with the weights as step inputs that concatenation (~34 MB
-    for a V4-Flash CSA layer) ran on every step, 22 us a layer on the H200 (issue 9;
-    docs/journal/RESULTS_2026-11-30_to_2026-12-02.md). Made here once (the layer's
-    `step_weights()` keeps it while its parameters stay the same arrays), the step gets the
-    merged GEMM without the copy. Costs one more copy of those weights in memory. Under a trace
-    (`nnx.grad`) it is part of the program, as XLA's merge was; gradients reach the separate
-    parameters through it.
+    for a V4-Flash CSA layer) ran on every step, 22 us a layer on the H200
+    (docs/breaks_and_kernels.md, "Why the kernels' defaults"). Made here once (the layer's `step_weights()`
+    keeps it while its parameters stay the same arrays), the step gets the merged GEMM without the
+    copy. Costs one more copy of those weights in memory. Under a trace (`nnx.grad`) it is part of
+    the program, as XLA's merge was; gradients reach the separate parameters through it.
     """
     parts = input_projection_weights(weights)
     if any(p is None for p in parts) or not isinstance(parts[0], jax.Array | jax.core.Tracer):

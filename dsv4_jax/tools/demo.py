@@ -116,7 +116,7 @@ def stack_decode_step(weights, caches, hidden_states, specs):
     No positions argument (``positions=None``: each row's next position from each layer's cache
     length) and the caches and hidden states donated: fed its own output, the step gets the same
     buffers every call, so on a GPU XLA replays its CUDA graph without re-recording any command
-    (docs/journal/RESULTS_2026-11-30_to_2026-12-02.md, "Same buffers every step"). Compiled with
+    (docs/breaks_and_kernels.md, "Why the kernels' defaults"). Compiled with
     the overlap where the layers' steps have it (their ``overlap`` setting, `dsv4_jax.step.overlap`).
     hidden_states [B, 1, hidden] -> (the same shape, the new caches)."""
     overlap = any(spec.plan.overlap for spec in specs)

@@ -23,8 +23,7 @@ bf16 within one rounding of the entry (`tests/ops/test_compressor_kernel.py`).
 
 `compressor.compress` chooses it as the step's `KernelPlan` says (``compress``): by default on
 CUDA at every batch, where it is a Triton kernel inside the step's CUDA graph (it measured faster
-at B = 1 and 32 on the H200: docs/journal/RESULTS_2026-11-30_to_2026-12-02.md, "The compressors'
-decode pooling as a kernel");
+at B = 1 and 32 on the H200; docs/breaks_and_kernels.md, "Why the kernels' defaults");
 the XLA path stays the reference, runs everywhere else, and gives the kernel its gradient.
 """
 

@@ -240,8 +240,8 @@ def _rows_at(x: Array, idx: Array) -> Array:
     One gather whose indices are unique and ascending within a row, and declared so: its
     transpose (x's gradient) is then a plain scatter. A `take_along_axis` of the clipped
     indices repeats the ends, and its transpose is a scatter-add that XLA:GPU runs with atomic
-    adds (0.26 ms a layer of a CSA B = 4 4k training step on the H200, session 55's profile;
-    the step measured 1.3-1.7% faster with this form on an H100, bench/RESULTS.md "Training").
+    adds (0.26 ms a layer of a CSA B = 4 4k training step on the H200; the step measured 1.3-1.7%
+    faster with this form on an H100; docs/breaks_and_kernels.md, "Why the kernels' defaults").
     """
     if namespace(x, idx) is np:
         inside = (idx >= 0) & (idx < x.shape[1])

@@ -2,13 +2,13 @@
 
 The lightning indexer scores every (query, entry) pair: relu(q_h . k) * c^-1/2 * w_h summed over
 its nI heads, a GEMM of [S * nI, c] queries against [T, c] keys per row. In a long CSA prefill
-that GEMM is most of the layer's work (bench/RESULTS.md, "Where a CSA prefill goes": the
-selection 56% of a 64k prefill's device time, 70% at 128k). The native handler's scoring
-(csrc/select_topk_cuda.cu `ScoreKernelMma`) issues `mma.sync` and runs at ~175 TFLOP/s on an
-H200; this kernel's products are one `dot` per tile, which Triton lowers to `wgmma`, and it
-scored a query block of 256 against 65,536 / 262,144 entries in 0.68 / 2.75 ms against the
-handler's 1.57 / 6.25 ms (bench/topk.py `select_prefill`, session 43). The handler's top-k then
-picks from its scores (`native.topk`), so the picks keep the module contract (csrc/select_topk.h).
+that GEMM is most of the layer's work (the selection over half of a 64k prefill's device time).
+The native handler's scoring (csrc/select_topk_cuda.cu `ScoreKernelMma`) issues `mma.sync` and
+runs at ~175 TFLOP/s on an H200; this kernel's products are one `dot` per tile, which Triton
+lowers to `wgmma`, and it scored a query block of 256 against 65,536 / 262,144 entries in
+0.68 / 2.75 ms against the handler's 1.57 / 6.25 ms (docs/breaks_and_kernels.md, "Why the kernels' defaults").
+The handler's top-k then picks from its scores (`native.topk`), so the picks keep the module
+contract (csrc/select_topk.h).
 
     queries [B, S, nI, c] bf16, weights float32 [B, S, nI], keys [B, T, c] bf16, visible int [B, S]
       -> scores float32 [B, S, T]  (entries t >= visible[b, s] are -inf)

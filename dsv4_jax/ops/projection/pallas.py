@@ -9,8 +9,8 @@ grouped ``wo_a`` [G, H*D/G, R] and ``wo_b`` [G*R, hidden]. At 1-64 rows the prod
 bandwidth XLA's GEMM reaches. On an H100 at 32 rows XLA's GEMMs (split-K, then a sum kernel) read
 them at 2.0-2.3 TB/s and this kernel (one program per column block, the whole K in a loop, no
 split) at 2.4-2.7 TB/s: 10-16% faster for ``wo_a``, ``wo_b`` and the input projections; at 1 and
-8 rows XLA's products were as fast (bench/RESULTS.md "Decode toward the floor", session 59;
-``wq_b`` had no kernel faster at any row count, so it stays XLA's).
+8 rows XLA's products were as fast (``wq_b`` had no kernel faster at any row count, so it stays
+XLA's) (docs/breaks_and_kernels.md, "Why the kernels' defaults").
 
     grid (G, N / bn); program (g, j) owns output columns j*bn .. j*bn+bn-1 of group g
     x  [Mp, G*K]   the rows (padded with zero rows to Mp = a power of two >= 16, Triton's dot)
@@ -25,7 +25,7 @@ Where it runs is the step's `KernelPlan` ``projections``: "auto" keeps XLA's pro
 inside a decode step the products' gain did not show (an H100, V4-Flash stacks of 4 at 16k, one
 machine: CSA B = 32 0.201 ms a layer with the kernel against 0.201 / 0.199 without, HCA B = 32
 0.131 against 0.134 / 0.137, within the processes' spread; B = 1 slower, HCA 0.123 against 0.115;
-bench/RESULTS.md "Decode toward the floor", session 61); "pallas" the kernel on CUDA for every
+docs/breaks_and_kernels.md, "Why the kernels' defaults"); "pallas" the kernel on CUDA for every
 call it takes (bf16 or fp16, at most `MAX_ROWS` token rows, K a power of two, N a multiple of
 16); "interpret" the kernel in Pallas' interpret mode on any backend (tests); "xla" never.
 """

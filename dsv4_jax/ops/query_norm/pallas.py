@@ -1,4 +1,4 @@
-"""The queries' per-head RMSNorm and RoPE as Pallas kernels, forward and backward (issue 28).
+"""The queries' per-head RMSNorm and RoPE as Pallas kernels, forward and backward.
 
 In a training step or a prompt the queries' norm (`norms.head_rms_norm`, over each head's D
 channels of the [B, S, H, D] queries, the step's largest activations) and their RoPE (the
@@ -27,10 +27,10 @@ within one unit in the last place in ~3% of its values).
 
 `query_norm` chooses as the step's `KernelPlan` says (``query_norm``): "auto" the kernels on
 CUDA for calls of several queries a row (prefill, training), XLA for decode steps (where XLA
-fuses the norm's product with the rotation: the kernel would not shorten the step). Measured
-(bench/RESULTS.md "Training"): the norm kernels alone within noise of XLA's (H200, session 45);
-with the rotation folded in, H200 4-layer training steps 0.4-3.2% faster at B = 1 and 4, 4k, the
-forwards 1-2% (session 62; on an H100 CSA B = 4 0.6% slower, the other cells level or faster).
+fuses the norm's product with the rotation: the kernel would not shorten the step). Measured:
+the norm kernels alone within noise of XLA's on the H200; with the rotation folded in, H200
+4-layer training steps 0.4-3.2% faster at B = 1 and 4, 4k, the forwards 1-2% (on an H100 CSA
+B = 4 0.6% slower, the other cells level or faster) (docs/breaks_and_kernels.md, "Why the kernels' defaults").
 """
 
 from __future__ import annotations
@@ -243,8 +243,8 @@ def supports(q: Array, rotation: tuple | None) -> bool:
 def _reference(q: Array, eps: float, rotation: tuple | None, in_place: bool) -> Array:
     """XLA's twin: `head_rms_norm`, then `apply_rope`. One query a row (decode) is rotated into a
     new array: compiled for the H200, XLA fuses that rotation with its concatenation, one kernel
-    after the norm where the in-place update took three (bench/RESULTS.md "Decode toward the
-    floor", session 61; on an H100 0.3-0.8% faster a layer at B = 8 and 32, session 62). Several
+    after the norm where the in-place update took three (on an H100 0.3-0.8% faster a layer at
+    B = 8 and 32; docs/breaks_and_kernels.md, "Why the kernels' defaults"). Several
     are rotated in place (`backend.update_trailing`), by `rotate_in_place` where the plan names a
     kernel (reverse mode only already: its gradient rotates the cotangent in its own buffer), by
     `apply_rope` for "xla" (forward-mode AD possible)."""

@@ -1,4 +1,4 @@
-"""The backward pass of sparse attention as one Pallas kernel (issue 28: training on the GPU).
+"""The backward pass of sparse attention as one Pallas kernel (training on the GPU).
 
 XLA's gradient of the gather-based forward (`sparse_attention._xla_path`) scatters each
 query's key gradients back over the gathered window and entries: [B, s, W + K, D] updates per
@@ -23,8 +23,8 @@ by atomic adds:
 Five dots a key block (q k, do k, ds k, ds q, p do), each with bh = 32 rows. A three-dot form
 on the rows of q and do stacked once per program (x = [q; do], x k -> [s; dp] with 2bh = 64
 rows, the M of Hopper's wgmma, and [ds * scale; p]^T x -> dk) computed the same gradients but
-made the H200's training step 1.5-1.9x slower (session 50, bench/RESULTS.md "Training"); it
-was removed (git history: session 48's commits).
+made the H200's training step 1.5-1.9x slower; it was removed (git history keeps it;
+docs/breaks_and_kernels.md, "Why the kernels' defaults").
 
 `delta` is the kernel's own (it loads the tile of do anyway): a separate pass over o and do
 cost 0.15 ms a layer of an HCA 4k training step on the H200. Where the caller holds the output
@@ -70,14 +70,13 @@ from dsv4_jax.ops.sparse_attention.pallas import _pad_indices, entry_indices
 
 # bh x D float32 for dq plus bh x D for q and do, per program. 64 heads, or 64 keys, a program
 # exceed the H200's shared memory at V4-Flash's head_dim; 16 keys in 4 warps measured faster
-# than 32 in 8 (bf16, 4k prefill, one process: HCA 3.06 -> 2.55 ms, CSA 7.14 -> 6.64, HCA B = 4
-# 9.78 -> 8.58; bench/results/h200_backward_blocks_probe_2026-12-04_s47.json). Triton's dots need
-# dimensions >= 16.
+# than 32 in 8 on the H200 (bf16, 4k prefill; docs/breaks_and_kernels.md, "Why the kernels' defaults").
+# Triton's dots need dimensions >= 16.
 BLOCK_KEYS = 16
 BLOCK_HEADS = 32
 NUM_WARPS = 4
-# Software pipelining of the key loop, by the compute dtype's bytes: bf16 3 stages (H200, CSA /
-# HCA 4k prefill: 8.10 -> 7.41 / 3.27 -> 3.13 ms, bench/results/h200_backward_ab_2026-12-02_s35_3.json);
+# Software pipelining of the key loop, by the compute dtype's bytes: bf16 3 stages (measured faster
+# on the H200 for CSA and HCA 4k prefill, same section of docs/breaks_and_kernels.md);
 # float32 1 (its tiles take twice the shared memory; the float32 gate runs it as measured before).
 NUM_STAGES = {2: 3, 4: 1}
 # Programs run in launch order, about one an SM at a time: in row order, the ~130 programs in

@@ -2,9 +2,9 @@
 
 `sparse_attention_backward` (Triton) reads each key by index and adds its gradient with atomics,
 in dots of 32 heads x 16 keys: at V4-Flash's head_dim (D = 512) Triton cannot hold larger tiles,
-and the kernel sits at ~5x its forward (issue 28). Where a query's keys are one contiguous range
-of their source, the backward can be the FlashAttention one instead, in the 64-row tiles of
-Hopper's warp-group MMA, with no atomics:
+and the kernel sits at ~5x its forward. Where a query's keys are one contiguous range of their
+source, the backward can be the FlashAttention one instead, in the 64-row tiles of Hopper's
+warp-group MMA, with no atomics:
 
 * the window: `key_pool` lays the pool out in position order, so query t's window keys are
   pool[e_t - W + 1 .. e_t] (the valid part), and the decode pool's slots 0..min(t, W-1);
@@ -12,8 +12,8 @@ Hopper's warp-group MMA, with no atomics:
 
 CSA's picks are scattered: its calls stay with the Triton kernel, window included
 (`sparse_attention._by_kernel`; the window here and the picks there measured 1-3% slower than the
-Triton kernel alone, with up to 6.8 GB more memory for the window's float32 share of dq, session
-55). A picks backward on wgmma would gather keys into shared memory by per-row copies
+Triton kernel alone, with up to 6.8 GB more memory for the window's float32 share of dq). A picks
+backward on wgmma would gather keys into shared memory by per-row copies
 (DEVELOPING.md, "Gathers and scattered adds"). Two kernels, each a CTA of two warp groups (WG), a
 head tile of 64 heads (the wgmma's M), D split in two halves of D/2 (the float32 accumulators of
 [64, D] would not fit one WG's registers):
@@ -44,17 +44,17 @@ group (`_copy_cotangent`), no transposed copy first. Every source is padded to w
 64 rows (TMA copies aligned tiles: Mosaic GPU needs their starts to be multiples of the
 shared-memory tiling). The rows and the work items are the grids' last axes: Mosaic GPU launches
 a grid's last axis as CUDA's x (up to 2^31 - 1 blocks) and the others as y and z (up to 65,535:
-a batch of 4 rows of 16k with the rows first failed to launch on the H200, session 55).
+a batch of 4 rows of 16k with the rows first failed to launch on the H200).
 Numerics as `sparse_attention_backward`'s in bf16: the logits rounded as the forward rounds
 them, p and ds rounded to bf16 for their dots, float32 accumulation.
 
-Status (session 57): correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
+Status: correct in Mosaic GPU's interpret mode on the CPU (jax >= 0.12: older
 interpret modes lack transposed wgmma operands), compiled for the H200 without one (jax 0.10.2 and
 0.11.2, `bench/deviceless.py`), on the H200 equal to the Triton kernel at V4-Flash size (its GPU
 tests, 4 x 16,400 query rows included) and the default for HCA's calls on CUDA
 (``attention_backward="auto"``): a 4-layer HCA training step 6-14% faster than with the Triton
 kernel at B = 1 and 4, 4k and 16k, with 0.4-2.9 GB less peak memory and 4-6 s more compile
-(bench/RESULTS.md "Training", session 57). Each kernel configuration is one `jax.jit` (`_launch`),
+(docs/breaks_and_kernels.md, "Why the kernels' defaults"). Each kernel configuration is one `jax.jit` (`_launch`),
 so a program's equal calls (its layers) lower once. Each result goes out through shared memory
 allocated after the accumulation's scope (`_write_halves`), so a float32 result needs no room of
 its own. By default each TMA copy is waited for before its dots. At V4-Flash's D = 512 the shared
@@ -62,10 +62,10 @@ memory is nearly spent (dq: q, do and a key block, 64 KiB each, and ds: 200 KiB 
 KiB; dkv: 208 KiB), so a second buffer needs smaller tiles: the dq kernel takes 32-key blocks in 2
 buffers (`dq_of(keys=32, stages=2)`: the next block's copy in flight during this one's dots, every
 wgmma operand then swizzled over 64 bytes), an A/B candidate (`DQ_KEYS, DQ_STAGES`) tested in
-interpret mode and compiled, not measured; the dkv kernel would need head tiles of 32. Session 54:
-both kernels spilled registers (255 a thread, the wgmma descriptors of fixed buffers hoisted out of
+interpret mode and compiled, not measured; the dkv kernel would need head tiles of 32. Both
+kernels once spilled registers (255 a thread, the wgmma descriptors of fixed buffers hoisted out of
 the loops); the buffers are now indexed through `_opaque_zero` and neither spills (checked on a
-deviceless compile, tests/bench/test_h200_compile.py).
+deviceless compile, the H200 compile tests under tests/bench/).
 """
 
 from __future__ import annotations

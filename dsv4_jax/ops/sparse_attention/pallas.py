@@ -1,4 +1,4 @@
-"""Sparse attention as one Pallas kernel: each query's keys gathered inside it (issue 9).
+"""Sparse attention as one Pallas kernel: each query's keys gathered inside it.
 
 The XLA path (`sparse_attention._xla_path`) gathers every query's keys into [B, s, W + K, D]
 arrays (a copy of 640 keys per query in CSA), then runs the logits, the softmax with the sink

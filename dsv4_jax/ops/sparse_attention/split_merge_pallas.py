@@ -52,7 +52,7 @@ from dsv4_jax.ops.rope import derotate_output, rotation_tables
 # B = 32). On an H100 (V4-Flash CSA stacks of 4 at 16k, same buffers, one machine, processes
 # alternating) B = 32 took 0.1975 ms a layer against XLA's 0.2014 (medians of 6 and 7 processes,
 # -1.9%); B = 1 (32 splits a row) 0.1611 against 0.1591 (+1.3%, within the processes' spread):
-# XLA's merge stays there, and for HCA (not measured). bench/RESULTS.md "Decode toward the floor".
+# XLA's merge stays there, and for HCA (not measured). docs/breaks_and_kernels.md, "Why the kernels' defaults".
 AUTO_MIN_ROWS = {"csa": 16}
 TARGET_PROGRAMS = 512  # as many as XLA's merge fusions launch blocks (512-2048 at V4-Flash's decode)
 MAX_BLOCK_HEADS = 8
