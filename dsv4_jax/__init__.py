@@ -1,4 +1,6 @@
-"""dsv4_jax: DeepSeek-V4 attention in JAX/Flax NNX, with the lightning indexer as a host break."""
+"""dsv4_jax: DeepSeek-V4 attention in JAX/Flax NNX, with the lightning indexer as a break out of the
+XLA program: a native custom call on the device where the native part is built, else a host
+callback (`breaks.BREAK_SUMMARY`, `native_info()`)."""
 
 # export registers the pytrees for jax.export serialization; sharding: meshes, partition specs;
 # long_context: prompts of any length by chunks, cache sizes.

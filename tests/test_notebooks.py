@@ -74,6 +74,31 @@ def test_notebook_runs(name):
     assert seconds < BUDGET_S, f"{name}: took {seconds:.0f} s (budget {BUDGET_S} s)"
 
 
+def _markdown(name: str) -> str:
+    return "\n".join(c.source for c in nbformat.read(NOTEBOOKS / name, as_version=4).cells if c.cell_type == "markdown")
+
+
+def test_the_quickstart_says_what_the_code_does():
+    """The quickstart's claims about the break come from `dsv4_jax.breaks`, the place the demo
+    prints from: where each mode's break runs (`break_table()`) and which modes differentiate
+    (`GRADIENT_CLAIM`; its section 8 then differentiates in every mode of `GRADIENT_MODES`)."""
+    from dsv4_jax import breaks
+
+    text = _markdown("quickstart.ipynb")
+    assert breaks.break_table() in text, "section 4's table: paste dsv4_jax.breaks.break_table() there"
+    assert breaks.GRADIENT_CLAIM in text, "section 8: say dsv4_jax.breaks.GRADIENT_CLAIM, word for word"
+    stale = ["host-break mode", "every break mode but", 'leave the compiled XLA program for a host callback']
+    assert not [s for s in stale if s in text], "a claim the code no longer makes"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_runtime_claim_is_the_budget(name):
+    """A notebook that says how long it runs says what `test_notebook_runs` holds it to."""
+    minutes = {2: "two", 3: "three", 4: "four", 5: "five"}[BUDGET_S // 60]
+    claim = f"on a CPU in under {minutes} minutes"
+    assert claim in _markdown(name), f"{name}: its introduction should say it runs {claim}"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_committed_small(name):
     """Committed without outputs: small files, clean diffs."""
