@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import native
 from . import overlap as overlap_mod
 from .attention import DeepseekV4Attention
 from .breaks import BREAK_MODES, where_break_runs
@@ -177,7 +178,7 @@ def main(argv=None) -> None:
     # Where the CSA layer's narrow break runs here (break_on="auto"): the native handler on this
     # device when it is built, else the host callback (dsv4_jax.native_info() says why); the
     # notebooks and the docs say it in the words of dsv4_jax.breaks.BREAK_SUMMARY.
-    print(where_break_runs("narrow", "auto"))
+    print(where_break_runs("narrow", "auto", native.platform_name(jax.devices()[0].platform)))
     x = np.random.default_rng(0).normal(size=(args.batch, args.prompt + args.steps, cfg.hidden_size))
     for layer_idx in range(cfg.num_layers):
         run_layer(cfg, layer_idx, x.astype(np.float32), args.prompt, args.steps, modes)
