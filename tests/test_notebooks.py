@@ -93,10 +93,14 @@ def test_the_quickstart_says_what_the_code_does():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_runtime_claim_is_the_budget(name):
-    """A notebook that says how long it runs says what `test_notebook_runs` holds it to."""
+    """A notebook says how long it runs as `test_notebook_runs` holds it to; so do the pages
+    that send the reader to the notebooks."""
     minutes = {2: "two", 3: "three", 4: "four", 5: "five"}[BUDGET_S // 60]
     claim = f"on a CPU in under {minutes} minutes"
     assert claim in _markdown(name), f"{name}: its introduction should say it runs {claim}"
+    for page in ("README.md", "docs/intermediates.md"):
+        text = " ".join((NOTEBOOKS.parent / page).read_text().split())
+        assert claim in text, f"{page}: should say the notebooks run {claim}"
 
 
 @pytest.mark.parametrize("name", NAMES)
