@@ -91,6 +91,19 @@ def test_the_quickstart_says_what_the_code_does():
     assert not [s for s in stale if s in text], "a claim the code no longer makes"
 
 
+def test_where_the_break_runs_is_what_plan_break_decides():
+    """The line the demo and the quickstart print, against the plan the step compiles."""
+    from dsv4_jax import CSA, breaks, native
+
+    built = native.available("cpu")
+    assert breaks.where_break_runs("narrow", "auto", "cpu").startswith(
+        "the narrow break runs on the " + ("device" if built else "host"))
+    assert breaks.plan_break(CSA, "narrow", "auto", platform="cpu").place == ("device" if built else "host")
+    assert breaks.where_break_runs("narrow", "host", "cpu").startswith("the narrow break runs on the host")
+    assert breaks.where_break_runs("wide", "auto", "cpu").startswith("the wide break runs on the host")
+    assert breaks.where_break_runs("none", "auto", "cpu").startswith("no break")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_runtime_claim_is_the_budget(name):
     """A notebook says how long it runs as `test_notebook_runs` holds it to; so do the pages
