@@ -1,4 +1,6 @@
-"""dsv4_jax: DeepSeek-V4 attention in JAX/Flax NNX, with the lightning indexer as a switchable break.
+"""dsv4_jax: DeepSeek-V4 attention in JAX/Flax NNX, with the lightning indexer as a break out of the
+XLA program: a native custom call on the device where the native part is built, else a host
+callback (`step.plan.BREAK_SUMMARY`, `native_info()`).
 
 The package's rooms (docs/DEVELOPING.md draws them): `config` and `numerics` (what the model
 computes), `backend` (one copy of the math for XLA and NumPy), `native` (the built XLA FFI

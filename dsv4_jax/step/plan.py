@@ -130,4 +130,53 @@ def _require_native(platform: str, select: str, what: str) -> None:
         raise ValueError(f"{what}: the native indexer handlers are not usable on {platform}: {reason}")
 
 
+# ------------------------------------------------------------------ the break, in words
+# The one place the user-facing claims about the break are written: the demo prints
+# `where_break_runs()`; notebooks/quickstart.ipynb prints it, carries `break_table()` and
+# `GRADIENT_CLAIM` verbatim in its prose (tests/docs/test_notebooks.py checks both) and differentiates
+# in every mode of `GRADIENT_MODES`; tests/step/test_gradients.py checks those gradients against the
+# XLA reference's.
+
+# Reverse mode (`jax.grad`, `nnx.grad`) differentiates the layer in every break mode; forward mode
+# (`jax.jvp`) not through the wide break (its host stages are a `jax.custom_vjp`).
+GRADIENT_MODES = BREAK_MODES
+FORWARD_MODE_GRADIENT_MODES = ("none", "narrow")
+GRADIENT_CLAIM = (
+    "`jax.grad` and `nnx.grad` go through the layer in every break mode (`none`, `narrow`, `wide`; "
+    "forward mode, `jax.jvp`, not through `wide`)"
+)
+
+# mode -> (what leaves the XLA program, where it runs with break_on="auto", the default)
+BREAK_SUMMARY = {
+    "none": ("nothing (the indexer's top-k stays in the program)", "—"),
+    "narrow": ("the lightning indexer's scoring + top-k",
+               "on the device (a native XLA FFI custom call) where the native part is built, "
+               "else on the host (`jax.pure_callback`)"),
+    "wide": ("`wq_b_kv_insert` + the compressors + the indexer", "on the host (`jax.pure_callback`), always"),
+}
+assert tuple(BREAK_SUMMARY) == BREAK_MODES and set(GRADIENT_MODES) <= set(BREAK_MODES)
+
+
+def break_table() -> str:
+    """`BREAK_SUMMARY` as a markdown table (the quickstart notebook's section 4 carries it)."""
+    rows = ["| `break_mode` | leaves the XLA program | where it runs (`break_on=\"auto\"`) |", "|---|---|---|"]
+    rows += [f"| `{mode}`{' (default)' if mode == 'narrow' else ''} | {what} | {where} |"
+             for mode, (what, where) in BREAK_SUMMARY.items()]
+    return "\n".join(rows)
+
+
+def where_break_runs(break_mode: str = "narrow", break_on: str = "auto", platform: str | None = None) -> str:
+    """Where a CSA layer's break runs in this process, in one line: what `plan_step` decides for
+    `platform` (default: jax's default backend) and, for a host break, why not on the device."""
+    platform = native.platform_name(platform or jax.default_backend())
+    plan = _plan_step(CSA, break_mode, break_on, "auto", platform)
+    if plan.mode == "none":
+        return f"no break: the selection stays in the XLA program ({platform})"
+    if plan.place == "device":
+        return f"the {plan.mode} break runs on the device ({platform}: native XLA FFI handler)"
+    why = ("the wide break always does" if plan.mode == "wide" else
+           "break_on='host'" if break_on == "host" else native.unavailable_reason(platform))
+    return f"the {plan.mode} break runs on the host (jax.pure_callback; {why})"
+
+
 BreakPlan = StepPlan  # its name before it held the whole plan (the public `dsv4_jax.BreakPlan`)

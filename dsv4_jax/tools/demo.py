@@ -23,7 +23,7 @@ from dsv4_jax import native
 from dsv4_jax.config import CSA, DeepseekV4Config
 from dsv4_jax.layer.module import DeepseekV4Attention
 from dsv4_jax.step import overlap as overlap_mod
-from dsv4_jax.step.plan import BREAK_MODES, plan_step
+from dsv4_jax.step.plan import BREAK_MODES, where_break_runs
 from dsv4_jax.step.pure_step import attention_step
 
 
@@ -176,10 +176,9 @@ def main(argv=None) -> None:
           f"CSA ratio {cfg.csa_compress_rate} top-{cfg.index_topk}, HCA ratio {cfg.hca_compress_rate}; "
           f"batch {args.batch}, prompt {args.prompt}, {args.steps} decode steps; modes {', '.join(modes)}")
     # Where the CSA layer's narrow break runs here (break_on="auto"): the native handler on this
-    # device when it is built, else the host callback (dsv4_jax.native_info() says why).
-    plan = plan_step(CSA, "narrow", "auto")
-    print(f"the narrow break runs on the {plan.place}" + (" (native XLA FFI handler)" if plan.native_select else
-          f" (jax.pure_callback; {native.unavailable_reason(jax.default_backend())})"))
+    # device when it is built, else the host callback (dsv4_jax.native_info() says why); the
+    # notebooks and the docs say it in the words of dsv4_jax.step.plan.BREAK_SUMMARY.
+    print(where_break_runs("narrow", "auto", native.platform_name(jax.devices()[0].platform)))
     x = np.random.default_rng(0).normal(size=(args.batch, args.prompt + args.steps, cfg.hidden_size))
     for layer_idx in range(cfg.num_layers):
         run_layer(cfg, layer_idx, x.astype(np.float32), args.prompt, args.steps, modes)

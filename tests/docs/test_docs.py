@@ -1,11 +1,14 @@
 """The Python examples of README.md and docs/*.md run as typed.
 
 Every ```python block of a page runs, in the page's order, in one namespace per page (a page's
-later blocks use what its earlier ones defined). A block preceded by an HTML comment
-``<!-- not run: REASON -->`` is skipped (for blocks that need a GPU, a real checkpoint or
-minutes); the reason must be given. All pages run in one subprocess on the CPU with 8 host
-devices (docs/sharding.md builds a 4 x 2 mesh), a job of helpers.JOBS (started with the session
-beside the in-process tests); each page's outcome is a test of its own.
+later blocks use what its earlier ones defined). The one exception is a block the reader is
+told, in the rendered page, is an excerpt: the line before it reads
+``*Excerpt — not runnable as typed: REASON*`` (for a block that needs a GPU or minutes and has
+no tiny-config spelling; a block that needs a checkpoint writes one first, as docs/use.md's
+does). Such a block must still compile; a hidden marker (an HTML comment) is refused. All pages
+run in one subprocess on the CPU with 8 host devices (docs/sharding.md builds a 4 x 2 mesh), a job
+of helpers.JOBS (started with the session beside the in-process tests); each page's outcome is a
+test of its own. README.md's commands are the ones CI runs (`.ci/run`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from helpers import JOBS, background
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NOT_RUN = re.compile(r"^<!--\s*not run:\s*(?P<reason>.*?)\s*-->$")
+EXCERPT = re.compile(r"^\*Excerpt — not runnable as typed:\s*(?P<reason>.*?)\s*\*$")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
-    """(first line number, code, the not-run reason or None) of every ```python block."""
+    """(first line number, code, the excerpt's reason or None) of every ```python block."""
     blocks, lines, i = [], text.split("\n"), 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -36,7 +39,7 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         if m["lang"] == "python":
             before = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-            marker = NOT_RUN.match(before)
+            marker = EXCERPT.match(before)
             blocks.append((i + 2, "\n".join(lines[i + 1:end]) + "\n", marker["reason"] if marker else None))
         i = end + 1
     return blocks
@@ -98,18 +101,23 @@ def test_the_examples_run_as_typed(page, outcomes):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
-def test_blocks_are_plain_python_or_say_why_not_run(page):
-    """No doctest prompts in a block that runs; every skipped block gives its reason."""
-    for line, code, reason in python_blocks(page.read_text()):
-        assert reason != "", f"{page.name}:{line}: `<!-- not run: -->` without a reason"
-        if reason is None:
-            assert not re.search(r"^>>> ", code, re.M), f"{page.name}:{line}: a doctest prompt in a block that runs"
-            compile(code, f"{page.name}:{line}", "exec")  # at least valid Python
+def test_blocks_are_plain_python_or_visibly_excerpts(page):
+    """No doctest prompts; every block valid Python; an excerpt says why, and nothing is skipped
+    by a marker the rendered page hides."""
+    text = page.read_text()
+    assert not re.search(r"<!--\s*not run", text), (
+        f"{page.name}: a block skipped by an HTML comment the reader never sees; make it run as typed "
+        "on the tiny config, or put `*Excerpt — not runnable as typed: REASON*` on the line before it")
+    for line, code, reason in python_blocks(text):
+        assert reason != "", f"{page.name}:{line}: an excerpt without its reason"
+        assert not re.search(r"^>>> ", code, re.M), f"{page.name}:{line}: a doctest prompt"
+        compile(code, f"{page.name}:{line}", "exec")  # at least valid Python
 
 
 def test_the_marker_is_recognised():
-    text = "a\n\n<!-- not run: needs a GPU -->\n```python\nx = 1\n```\n\n```python\ny = 2\n```\n```bash\nls\n```\n"
-    assert python_blocks(text) == [(5, "x = 1\n", "needs a GPU"), (9, "y = 2\n", None)]
+    text = ("a\n\n*Excerpt — not runnable as typed: needs a GPU*\n```python\nx = 1\n```\n\n```python\ny = 2\n```\n"
+            "```bash\nls\n```\n<!-- not run: hidden -->\n```python\nz = 3\n```\n")
+    assert python_blocks(text) == [(5, "x = 1\n", "needs a GPU"), (9, "y = 2\n", None), (16, "z = 3\n", None)]
 
 
 def test_relative_links_resolve():
@@ -120,3 +128,18 @@ def test_relative_links_resolve():
                 continue
             path = (page.parent / target.split("#")[0]).resolve()
             assert path.exists(), f"{page.relative_to(ROOT)}: link to {target}, which does not exist"
+
+
+def test_ci_runs_the_readmes_commands():
+    """`.ci/run` runs the README's test command as typed (with .venv312 for Python 3.12), and the
+    README's install: what a newcomer types is what CI checks."""
+    readme = (ROOT / "README.md").read_text()
+    first = readme[readme.index("```bash\n") + len("```bash\n"):]
+    commands = first[:first.index("```")].strip().splitlines()
+    test_command = next(c for c in commands if "-m pytest" in c)
+    assert "--durations=" in test_command, "the README's test command should print the slowest tests"
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    suites = [line for line in ci if "-m pytest" in line and " -n " in line]
+    assert suites and all(line.replace(".venv312/", ".venv/") == test_command for line in suites), (
+        f"the README says {test_command!r}; .ci/run runs {suites}")
+    assert "python3 -m venv .venv" in ci and any(line.startswith(".venv/bin/pip install -q -e '.[test") for line in ci)

@@ -74,6 +74,49 @@ def test_notebook_runs(name):
     assert seconds < BUDGET_S, f"{name}: took {seconds:.0f} s (budget {BUDGET_S} s)"
 
 
+def _markdown(name: str) -> str:
+    return "\n".join(c.source for c in nbformat.read(NOTEBOOKS / name, as_version=4).cells if c.cell_type == "markdown")
+
+
+def test_the_quickstart_says_what_the_code_does():
+    """The quickstart's claims about the break come from `dsv4_jax.step.plan`, the place the demo
+    prints from: where each mode's break runs (`break_table()`) and which modes differentiate
+    (`GRADIENT_CLAIM`; its section 8 then differentiates in every mode of `GRADIENT_MODES`)."""
+    from dsv4_jax.step import plan
+
+    text = _markdown("quickstart.ipynb")
+    assert plan.break_table() in text, "section 4's table: paste dsv4_jax.step.plan.break_table() there"
+    assert plan.GRADIENT_CLAIM in text, "section 8: say dsv4_jax.step.plan.GRADIENT_CLAIM, word for word"
+    stale = ["host-break mode", "every break mode but", 'leave the compiled XLA program for a host callback']
+    assert not [s for s in stale if s in text], "a claim the code no longer makes"
+
+
+def test_where_the_break_runs_is_what_plan_step_decides():
+    """The line the demo and the quickstart print, against the plan the step compiles."""
+    from dsv4_jax import CSA, native
+    from dsv4_jax.step import plan
+
+    built = native.available("cpu")
+    assert plan.where_break_runs("narrow", "auto", "cpu").startswith(
+        "the narrow break runs on the " + ("device" if built else "host"))
+    assert plan.plan_step(CSA, "narrow", "auto", platform="cpu").place == ("device" if built else "host")
+    assert plan.where_break_runs("narrow", "host", "cpu").startswith("the narrow break runs on the host")
+    assert plan.where_break_runs("wide", "auto", "cpu").startswith("the wide break runs on the host")
+    assert plan.where_break_runs("none", "auto", "cpu").startswith("no break")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_runtime_claim_is_the_budget(name):
+    """A notebook says how long it runs as `test_notebook_runs` holds it to; so do the pages
+    that send the reader to the notebooks."""
+    minutes = {2: "two", 3: "three", 4: "four", 5: "five"}[BUDGET_S // 60]
+    claim = f"on a CPU in under {minutes} minutes"
+    assert claim in _markdown(name), f"{name}: its introduction should say it runs {claim}"
+    for page in ("README.md", "docs/intermediates.md"):
+        text = " ".join((NOTEBOOKS.parent / page).read_text().split())
+        assert claim in text, f"{page}: should say the notebooks run {claim}"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_committed_small(name):
     """Committed without outputs: small files, clean diffs."""
