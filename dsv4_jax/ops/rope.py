@@ -62,6 +62,12 @@ def attention_factor(cfg: DeepseekV4Config, kind: str) -> float:
     return 1.0
 
 
+def rotation_of(cfg: DeepseekV4Config, kind: str) -> tuple[np.ndarray, float]:
+    """One rope kind's (inverse frequencies float32 [half], cos/sin scale): what a stage that
+    rotates needs (`inv_freq`, `attention_factor`)."""
+    return inv_freq(cfg, kind), attention_factor(cfg, kind)
+
+
 def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = False, scale: float = 1.0,
                in_place: bool = False) -> Array:
     """Rotate the trailing ``2 * len(freqs)`` channels of `x` by ``positions * freqs``.

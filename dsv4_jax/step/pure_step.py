@@ -53,7 +53,7 @@ from dsv4_jax.ops.indexer.reference import IndexerWeights, head_weights, index_q
 from dsv4_jax.ops.norms import rms_norm
 from dsv4_jax.ops.projection.pallas import projection
 from dsv4_jax.ops.query_norm.pallas import query_norm
-from dsv4_jax.ops.rope import apply_rope, attention_factor, inv_freq
+from dsv4_jax.ops.rope import apply_rope, rotation_of
 from dsv4_jax.ops.sparse_attention.reference import OutputRotation, key_pool, sparse_attention
 from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step import overlap as overlap_mod
@@ -213,10 +213,6 @@ class StepSpec:
 
 
 @functools.cache
-def _freqs(cfg: DeepseekV4Config, kind: str) -> np.ndarray:
-    return inv_freq(cfg, kind)
-
-
 # ---------------------------------------------------------------------------- stages 2-4
 def straight_through(rounding, x):
     """``rounding(x)`` (an official numerics round trip, `dsv4_jax.numerics`) whose gradient is
@@ -252,7 +248,7 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     inserted). Padded slots (position -1) get queries and keys too (fixed shapes), which
     nothing reads."""
     cfg, dtype = spec.cfg, spec.dtype
-    freqs, scale = _freqs(cfg, spec.rope_kind), attention_factor(cfg, spec.rope_kind)
+    freqs, scale = rotation_of(cfg, spec.rope_kind)
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
     # The per-head norm and RoPE: one kernel each way where the plan says (`head_norm_kernel`).
@@ -280,7 +276,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     count = real_tokens(positions)
     # A row that would run past max_seq_len (possible only under a user's jit) writes nothing.
     frozen = overflows(length, count, cache.max_seq_len)
-    compress_freqs, compress_scale = _freqs(cfg, "compress"), attention_factor(cfg, "compress")
+    compress_freqs, compress_scale = rotation_of(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
                   frozen=frozen, count=count, kernel=spec.plan.kernels.compress_for())
     round_kv, round_indexer = official_roundings(spec)
@@ -516,7 +512,7 @@ def check_in_graph(length, positions, max_seq_len: int) -> None:
 
 def output_rotation(positions, spec: StepSpec) -> OutputRotation:
     """Stage 6's inverse RoPE at each query's position, which `sparse_attention` applies."""
-    return OutputRotation(positions, _freqs(spec.cfg, spec.rope_kind), attention_factor(spec.cfg, spec.rope_kind))
+    return OutputRotation(positions, *rotation_of(spec.cfg, spec.rope_kind))
 
 
 def output_projection(o, weights: AttentionWeights, spec: StepSpec):
