@@ -30,8 +30,9 @@ import numpy as np
 from flax import nnx
 
 import dsv4_jax
-from dsv4_jax import plan as plan_mod
 from dsv4_jax.step import pure_step as step_mod
+
+from . import plan as plan_mod
 
 # ---------------------------------------------------------------------------- compile time
 _COMPILE_EVENTS = (
