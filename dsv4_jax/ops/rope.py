@@ -10,6 +10,7 @@ Sliding layers use the "main" frequencies (theta 10000); CSA/HCA layers use "com
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -62,9 +63,10 @@ def attention_factor(cfg: DeepseekV4Config, kind: str) -> float:
     return 1.0
 
 
+@functools.cache
 def rotation_of(cfg: DeepseekV4Config, kind: str) -> tuple[np.ndarray, float]:
     """One rope kind's (inverse frequencies float32 [half], cos/sin scale): what a stage that
-    rotates needs (`inv_freq`, `attention_factor`)."""
+    rotates needs (`inv_freq`, `attention_factor`), computed once per config and kind."""
     return inv_freq(cfg, kind), attention_factor(cfg, kind)
 
 

@@ -212,7 +212,6 @@ class StepSpec:
         return self.cfg.rope_kind(self.layer_type)
 
 
-@functools.cache
 # ---------------------------------------------------------------------------- stages 2-4
 def straight_through(rounding, x):
     """``rounding(x)`` (an official numerics round trip, `dsv4_jax.numerics`) whose gradient is

@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+if __name__ == "__main__":  # run as a job (the module doc): helpers.py is one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import JOBS, background
 
 nbformat = pytest.importorskip("nbformat")
