@@ -166,16 +166,17 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
         return spec, None, None  # values unknown while tracing: shapes and dtypes were checked
     if finite is None:
         finite = finite_mode(attn)
-    before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len, finite)
+    before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len, finite, spec.dtype)
     length = np.array(before, np.int32)
     return spec, length, np.array(after, np.int32) - length
 
 
 def check_values(hidden_states: Any, positions: Any, length: Any, max_seq_len: int,
-                 finite: bool | str) -> tuple[list, list]:
+                 finite: bool | str, dtype: Any = None) -> tuple[list, list]:
     """The value checks of `check_call` alone, for a call whose shapes, dtypes and cache
     `check_call` accepted before (the layer's memo of them; concrete inputs): positions by
-    `check_positions`'s rules, then `check_finite` with mode `finite`. Same errors, same order.
+    `check_positions`'s rules, then `check_finite` with mode `finite` in the compute `dtype`.
+    Same errors, same order.
 
     Returns (the lengths the checks read, the lengths after the call), lists of B ints: the
     values of `check_call`'s checked length and of ``advance_length`` of it by the real tokens.
@@ -200,7 +201,7 @@ def check_values(hidden_states: Any, positions: Any, length: Any, max_seq_len: i
         new_tokens = check_positions(pos.astype(np.int64), checked, max_seq_len)
         checked = checked.astype(np.int32)
         before, after = checked.tolist(), advance_length(checked, new_tokens.astype(np.int32)).tolist()
-    check_finite("hidden_states", hidden_states, finite)
+    check_finite("hidden_states", hidden_states, finite, dtype)
     return before, after
 
 
@@ -299,7 +300,8 @@ def check_positions(pos: np.ndarray, length: np.ndarray, max_seq_len: int) -> np
     return count
 
 
-_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+# Finite after the cast to the compute dtype (static): what the step computes on.
+_all_finite = jax.jit(lambda x, dtype: jnp.isfinite(x.astype(dtype)).all(), static_argnums=1)
 
 
 def _on_cpu(value: jax.Array) -> bool:
@@ -340,10 +342,30 @@ _LIST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # whose .tolist() g
 _LIST_MAX = 128  # arrays of at most this many values are summed as Python floats
 
 
-def _finite_on_host(host: np.ndarray) -> bool:
-    """Whether every value of `host` is finite. A small float32/float64 array is summed as Python
-    floats (double precision: NaN and inf propagate, finite float32 values cannot overflow, no
-    NumPy call); only where the sum is not finite are the values scanned one by one."""
+def as_computed(host: np.ndarray, dtype: Any) -> np.ndarray:
+    """`host` as the step computes on it: converted the way JAX converts a NumPy input (float64
+    to float32 unless x64 is on), then cast to the compute `dtype` (None: as it is). A value
+    finite in its own dtype may overflow to inf here (1e39 into float32, 1e5 into float16)."""
+    if dtype is None or not _may_overflow(host.dtype, dtype):
+        return host
+    with np.errstate(over="ignore", invalid="ignore"):
+        return host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False).astype(dtype)
+
+
+def _may_overflow(source: Any, dtype: Any) -> bool:
+    """Whether a finite value of dtype `source` may become inf in `dtype` (a narrower range)."""
+    source, dtype = np.dtype(source), np.dtype(dtype)
+    if source == dtype or not jnp.issubdtype(source, jnp.floating):
+        return False
+    return float(jnp.finfo(dtype).max) < float(jnp.finfo(source).max)
+
+
+def _finite_on_host(host: np.ndarray, dtype: Any = None) -> bool:
+    """Whether every value of `host` is finite in the compute `dtype` (`as_computed`). A small
+    float32/float64 array is summed as Python floats (double precision: NaN and inf propagate,
+    finite float32 values cannot overflow, no NumPy call); only where the sum is not finite are
+    the values scanned one by one."""
+    host = as_computed(host, dtype)
     if host.size <= _LIST_MAX and host.dtype in _LIST_DTYPES and math.isfinite(sum(host.ravel().tolist())):
         return True
     return bool(np.isfinite(host).all())
@@ -381,8 +403,10 @@ def _learn_jax_type(kind: type) -> bool:
     return True
 
 
-def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
-    """Reject NaN/inf in a concrete array (see the module docstring for `mode` and the cost)."""
+def check_finite(name: str, value: Any, mode: bool | str = True, dtype: Any = None) -> None:
+    """Reject NaN/inf in a concrete array (see the module docstring for `mode` and the cost),
+    after its cast to the compute `dtype` (None: in its own dtype): a value that overflows the
+    dtype the step computes in is as non-finite as a NaN there."""
     if mode is not True:
         check_finite_mode(mode)
         if mode is False:
@@ -396,7 +420,7 @@ def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
         # A host-resident array is read in place (no dispatch of a reduction, no transfer);
         # a device array is reduced on its device and only the verdict comes back.
         if not _host_resident(value):
-            if bool(_all_finite(value)):
+            if bool(_all_finite(value, value.dtype if dtype is None else jnp.dtype(dtype))):
                 return
             host = None
         else:
@@ -405,9 +429,9 @@ def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
         return
     else:
         host = np.asarray(value)
-    if host is not None and _finite_on_host(host):
+    if host is not None and _finite_on_host(host, dtype):
         return
-    reject_non_finite(name, value)
+    reject_non_finite(name, value, dtype=dtype)
 
 
 def finite_deferred(value: Any, mode: bool | str) -> bool:
@@ -427,16 +451,21 @@ def finite_deferred(value: Any, mode: bool | str) -> bool:
     return not _host_resident(value)
 
 
-def reject_non_finite(name: str, value: Any, ran: bool = False) -> None:
-    """Raise the finite check's ValueError for `value` (read on the host), which holds a NaN/inf;
-    `ran`: the step ran on it (a check read after dispatch) and its results were dropped."""
+def reject_non_finite(name: str, value: Any, ran: bool = False, dtype: Any = None) -> None:
+    """Raise the finite check's ValueError for `value` (read on the host), which holds a NaN/inf
+    in the compute `dtype` (None: its own); `ran`: the step ran on it (a check read after
+    dispatch) and its results were dropped."""
     host = np.asarray(value)
-    bad = ~np.isfinite(host)
+    computed = as_computed(host, dtype)
+    bad = ~np.isfinite(computed)
     first = tuple(int(i) for i in np.argwhere(bad)[0])
     outcome = "its results were discarded" if ran else "the call was not run"
+    where = f"{host[first]}"
+    if np.isfinite(host[first]):
+        where += f", which is {computed[first]} in the compute dtype {np.dtype(dtype)}"
     raise ValueError(
         f"{name}: expected finite values, got {int(bad.sum())} non-finite of {host.size} (first at "
-        f"{list(first)}: {host[first]}); {outcome}, the cache is unchanged"
+        f"{list(first)}: {where}); {outcome}, the cache is unchanged"
     )
 
 
