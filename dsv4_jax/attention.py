@@ -365,6 +365,7 @@ class DeepseekV4Attention(nnx.Module):
                 f"with numerics='official', got numerics={self.numerics!r}")
         cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
                                      allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype)
+        cache = cache.replace(numerics=self.numerics)  # its rows will hold this numerics' rounding
         # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)
 

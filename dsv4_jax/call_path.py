@@ -143,7 +143,7 @@ def _cache_key(cache) -> tuple | None:
     try:
         window, comp = cache.window, cache.compressor
         placed = getattr(window, "sharding", None)
-        key = (type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len, type(window),
+        key = (type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len, cache.numerics, type(window),
                window.shape, window.dtype, None if comp is None else comp.entries.shape, cache.indexer is None,
                placed if isinstance(placed, jax.sharding.NamedSharding) else None)
         hash(key)

@@ -36,6 +36,7 @@ set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -44,9 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .backend import is_tracer
-from .cache import AttentionCache, advance_length, next_positions
+from .cache import AttentionCache, advance_length, init_attention_cache, next_positions
 from .config import CSA, HCA
-from .quantized_cache import check_cache_numerics
+from .quantized_cache import check_cache_numerics, is_quantized
 
 CHECK_FINITE_MODES = (True, "host", False)
 CHECK_FINITE: bool | str = True  # the default of `attn.check_finite` (see the module docstring)
@@ -72,7 +73,11 @@ def _shape_dtype(name: str, value: Any):
 
 
 def check_cache(attn, cache: Any) -> None:
-    """The cache belongs to this layer (index, type, sizes)."""
+    """The cache belongs to this layer: index, type, the numerics it was filled under, and every
+    field of the pytree (`length` [B] int, the window, the compressor and indexer states, the
+    FP8 rows' parts) of the shape and dtype that this layer's ``init_cache(B, max_seq_len,
+    dtype=cache.dtype)`` makes (`expected_cache`). The cache's own dtype against the layer's
+    compute dtype is `check_call`'s (a `TypeError`)."""
     cfg = attn.config
     if not isinstance(cache, AttentionCache):
         raise TypeError(
@@ -98,13 +103,44 @@ def check_cache(attn, cache: Any) -> None:
                 f"{attn.layer_type} layer, got {'a state' if present else 'None'}"
             )
     check_cache_numerics(cache, attn.numerics)
-    if cache.compressor is not None:
-        want = cfg.entry_slots(attn.layer_type, cache.max_seq_len)
-        if cache.compressor.entries.shape[1:] != (want, cfg.head_dim):
+    max_seq_len = cache.max_seq_len
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1:
+        raise ValueError(f"cache.max_seq_len: expected a positive int, got {max_seq_len!r}")
+    batch = cache.window.shape[0] if len(getattr(cache.window, "shape", ())) == 3 else None
+    length = cache.length
+    l_shape, l_dtype = _shape_dtype("cache.length", length)
+    if batch is None or l_shape != (batch,) or not jnp.issubdtype(l_dtype, jnp.integer):
+        raise ValueError(
+            f"cache.length: expected int32 [B] with B = {batch} (the window's batch), got {l_dtype}{list(l_shape)}")
+    dtype = cache.dtype
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"cache.window: expected a floating dtype, got {dtype}")
+    expected = expected_cache(attn.config, attn.layer_idx, batch, int(max_seq_len), jnp.dtype(dtype),
+                              "fp8" if is_quantized(cache) else "auto")
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(cache.replace(length=None))
+    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(
+        expected.replace(length=None, numerics=cache.numerics))  # the numerics: checked above
+    if got_tree != want_tree:
+        raise ValueError(f"cache: expected the pytree that attn.init_cache makes ({want_tree}), got {got_tree}")
+    for (path, got), (_, want) in zip(got_leaves, want_leaves):
+        g_shape, g_dtype = _shape_dtype(f"cache{jax.tree_util.keystr(path)}", got)
+        if g_shape != tuple(want.shape) or g_dtype != want.dtype:
             raise ValueError(
-                f"cache.compressor.entries: expected shape [B, {want}, {cfg.head_dim}], got "
-                f"{list(cache.compressor.entries.shape)}"
-            )
+                f"cache{jax.tree_util.keystr(path)}: expected {want.dtype}{_dims(want.shape)} for this config "
+                f"(what attn.init_cache({batch}, {max_seq_len}) makes for layer {attn.layer_idx}), got "
+                f"{g_dtype}{list(g_shape)} (a cache made for another config?)")
+
+
+def _dims(shape) -> str:
+    return "[B, " + ", ".join(map(str, shape[1:])) + "]"
+
+
+@functools.lru_cache(maxsize=64)
+def expected_cache(cfg, layer_idx: int, batch: int, max_seq_len: int, dtype, kv_cache_dtype: str) -> AttentionCache:
+    """The shapes and dtypes (`jax.ShapeDtypeStruct` leaves) of the cache that `init_cache` makes
+    for layer `layer_idx` of `cfg`: the one complete spec a cache is checked against."""
+    return jax.eval_shape(lambda: init_attention_cache(cfg, layer_idx, batch, max_seq_len, dtype,
+                                                       allow_long_context=True, kv_cache_dtype=kv_cache_dtype))
 
 
 def check_hidden_states(attn, hidden_states: Any) -> tuple:
