@@ -182,6 +182,8 @@ def call(layer, hidden_states, positions, cache: AttentionCache, return_intermed
         if inputs is not None and structure is not None and memo.state == _layer_state(layer):
             hit = memo.entries.get((inputs, structure))
             if hit is not None:  # the static checks passed for this structure: the value checks only
+                if last is None and validation.donated(cache):  # (the cache it returned is live)
+                    validation.reject_donated()
                 finite = validation.finite_mode(layer)
                 deferred = hit[1] in _PLAIN_STEPS and validation.finite_deferred(hidden_states, finite)
                 before, after = validation.check_values(hidden_states, positions, cache.length,

@@ -88,6 +88,8 @@ def check_cache(attn, cache: Any) -> None:
             f"cache: expected the cache of layer {attn.layer_idx} ({attn.layer_type}), got the cache of "
             f"layer {cache.layer_idx} ({cache.layer_type})"
         )
+    if any(map(_deleted, jax.tree.leaves(cache))):
+        reject_donated()
     want_window = (cfg.sliding_window, cfg.head_dim)
     if tuple(cache.window.shape[1:]) != want_window:
         raise ValueError(
@@ -141,6 +143,24 @@ def expected_cache(cfg, layer_idx: int, batch: int, max_seq_len: int, dtype, kv_
     for layer `layer_idx` of `cfg`: the one complete spec a cache is checked against."""
     return jax.eval_shape(lambda: init_attention_cache(cfg, layer_idx, batch, max_seq_len, dtype,
                                                        allow_long_context=True, kv_cache_dtype=kv_cache_dtype))
+
+
+def _deleted(value: Any) -> bool:
+    return isinstance(value, jax.Array) and not is_tracer(value) and value.is_deleted()
+
+
+def donated(cache: AttentionCache) -> bool:
+    """Whether the cache's arrays were consumed (donated to an earlier call): its window tells
+    (a donation deletes every array of the cache together)."""
+    window = cache.window
+    return _deleted(getattr(window, "values", window))
+
+
+def reject_donated() -> None:
+    raise ValueError(
+        "cache: expected a live cache, got one whose arrays were donated to an earlier call (a layer with "
+        "donate_cache=True consumes the cache passed in, even the call's own, so that XLA updates it in place); "
+        "pass the cache that call returned, or set donate_cache=False to keep the caller's cache")
 
 
 def check_hidden_states(attn, hidden_states: Any) -> tuple:
