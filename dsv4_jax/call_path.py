@@ -138,18 +138,13 @@ def _cache_key(cache) -> tuple | None:
     """The structure of a cache (its static fields, the class of its length, its arrays' shapes,
     dtype and mesh): all that the static checks, the spec and the step's choice read of it.
     None for anything but an `AttentionCache`."""
-    if type(cache) is not AttentionCache:
+    # Every array's shape and dtype (`validation.cache_structure`): a cache crafted with one field
+    # changed is a new structure, checked in full, never a hit of a good one.
+    structure = validation.cache_structure(cache)
+    if structure is None:
         return None
-    try:
-        window, comp = cache.window, cache.compressor
-        placed = getattr(window, "sharding", None)
-        key = (type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len, cache.numerics, type(window),
-               window.shape, window.dtype, None if comp is None else comp.entries.shape, cache.indexer is None,
-               placed if isinstance(placed, jax.sharding.NamedSharding) else None)
-        hash(key)
-    except Exception:  # not arrays where the cache holds them: the checks word it
-        return None
-    return key
+    placed = getattr(cache.window, "sharding", None)
+    return structure, placed if isinstance(placed, jax.sharding.NamedSharding) else None
 
 
 class _CallMemo:

@@ -72,6 +72,36 @@ def _shape_dtype(name: str, value: Any):
     return tuple(shape), jnp.dtype(dtype)
 
 
+def cache_structure(cache: Any) -> tuple | None:
+    """The static fields of a cache and the class, shape and dtype of each of its arrays (a
+    hashable key; None for anything but an `AttentionCache` holding array-likes)."""
+    if type(cache) is not AttentionCache:
+        return None
+    try:
+        window, length = cache.window, cache.length
+        key = (type(length), length.shape, length.dtype, cache.layer_idx, cache.layer_type, cache.max_seq_len,
+               cache.numerics, type(window), window.shape, window.dtype, _state_key(cache.compressor),
+               _state_key(cache.indexer))
+        hash(key)
+    except Exception:  # not arrays where the cache holds them: the checks word it
+        return None
+    return key
+
+
+def _state_key(state) -> tuple | None:
+    """The shapes and dtypes of a compressor state's arrays (None for no state)."""
+    if state is None:
+        return None
+    entries, buffer = state.entries, state.buffer
+    return type(entries), entries.shape, entries.dtype, buffer.shape, buffer.dtype
+
+
+# (config, layer index, numerics, `cache_structure`) of the caches `check_cache` accepted: the
+# same structure again needs only the donation check (a decode loop with positions=None checks
+# its cache every call).
+_ACCEPTED: dict = {}
+
+
 def check_cache(attn, cache: Any) -> None:
     """The cache belongs to this layer: index, type, the numerics it was filled under, and every
     field of the pytree (`length` [B] int, the window, the compressor and indexer states, the
@@ -83,6 +113,12 @@ def check_cache(attn, cache: Any) -> None:
         raise TypeError(
             f"cache: expected an AttentionCache from attn.init_cache(...), got {type(cache).__name__}"
         )
+    structure = cache_structure(cache)
+    accepted = None if structure is None else (attn.config, attn.layer_idx, attn.numerics, structure)
+    if accepted is not None and accepted in _ACCEPTED:
+        if donated(cache):
+            reject_donated()
+        return
     if (cache.layer_idx, cache.layer_type) != (attn.layer_idx, attn.layer_type):
         raise ValueError(
             f"cache: expected the cache of layer {attn.layer_idx} ({attn.layer_type}), got the cache of "
@@ -131,6 +167,10 @@ def check_cache(attn, cache: Any) -> None:
                 f"cache{jax.tree_util.keystr(path)}: expected {want.dtype}{_dims(want.shape)} for this config "
                 f"(what attn.init_cache({batch}, {max_seq_len}) makes for layer {attn.layer_idx}), got "
                 f"{g_dtype}{list(g_shape)} (a cache made for another config?)")
+    if accepted is not None:
+        if len(_ACCEPTED) > 256:
+            _ACCEPTED.clear()
+        _ACCEPTED[accepted] = True
 
 
 def _dims(shape) -> str:

@@ -25,8 +25,11 @@ def cfg():
 
 
 def call(attn, cache, tokens=2):
+    """A call of `tokens` new tokens a row with explicit positions (the memo's path; `positions=None`
+    reads the cache first, `test_a_length_of_another_batch_...` takes both)."""
     x = np.random.default_rng(0).normal(size=(cache.batch_size, tokens, attn.config.hidden_size)).astype(np.float32)
-    return attn(x, None, cache)
+    positions = (np.asarray(cache.length)[:, None] + np.arange(tokens)).astype(np.int32)
+    return attn(x, positions, cache)
 
 
 def cache_of(cfg, layer_type, **overrides):
@@ -49,9 +52,12 @@ def test_a_cache_of_another_config_is_refused_naming_the_field(cfg, layer_type, 
     call(attn, attn.init_cache(1, 16))
 
 
-def test_a_compressor_ring_of_another_ratio_is_refused(cfg):
+@pytest.mark.parametrize("good_first", [False, True])  # True: the layer's memo knows the good structure
+def test_a_compressor_ring_of_another_ratio_is_refused(cfg, good_first):
     attn = random_layer(cfg, LAYERS[HCA])
     good = attn.init_cache(1, 16)
+    if good_first:
+        call(attn, good)
     ring = good.compressor.buffer
     crafted = good.replace(compressor=good.compressor.replace(buffer=jnp.zeros((1, 4, ring.shape[2]), ring.dtype)))
     with pytest.raises(ValueError, match=rf"cache\.compressor\.buffer: expected float32\[B, {ring.shape[1]}, "
@@ -71,6 +77,7 @@ def test_a_field_of_another_dtype_is_refused(cfg):
 def test_a_length_of_another_batch_is_an_error_of_the_cache_not_of_positions(cfg):
     attn = random_layer(cfg, LAYERS[SLIDING])
     good = attn.init_cache(2, 16)
+    call(attn, good)  # the memo knows the good structure
     for length in (np.zeros((3,), np.int32), np.zeros((2, 1), np.int32), np.zeros((2,), np.float32)):
         crafted = good.replace(length=length)
         for positions in (None, np.zeros((2, 1), np.int32)):
