@@ -442,29 +442,38 @@ def as_computed(host: np.ndarray, dtype: Any) -> np.ndarray:
     """`host` as the step computes on it: converted the way JAX converts a NumPy input (float64
     to float32 unless x64 is on), then cast to the compute `dtype` (None: as it is). A value
     finite in its own dtype may overflow to inf here (1e39 into float32, 1e5 into float16)."""
-    if dtype is None or not _may_overflow(host.dtype, dtype):
+    if dtype is None or _overflow_limit(host.dtype, dtype) is None:
         return host
     with np.errstate(over="ignore", invalid="ignore"):
         return host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False).astype(dtype)
 
 
-def _may_overflow(source: Any, dtype: Any) -> bool:
-    """Whether a finite value of dtype `source` may become inf in `dtype` (a narrower range)."""
+@functools.lru_cache(maxsize=64)
+def _overflow_limit(source: Any, dtype: Any) -> float | None:
+    """The largest value of `dtype` where a finite value of dtype `source` may become inf when
+    cast to it (a narrower range), else None. Values of at most this magnitude stay finite
+    through any rounding on the way."""
     source, dtype = np.dtype(source), np.dtype(dtype)
     if source == dtype or not jnp.issubdtype(source, jnp.floating):
-        return False
-    return float(jnp.finfo(dtype).max) < float(jnp.finfo(source).max)
+        return None
+    limit = float(jnp.finfo(dtype).max)
+    return limit if limit < float(jnp.finfo(source).max) else None
 
 
 def _finite_on_host(host: np.ndarray, dtype: Any = None) -> bool:
     """Whether every value of `host` is finite in the compute `dtype` (`as_computed`). A small
     float32/float64 array is summed as Python floats (double precision: NaN and inf propagate,
-    finite float32 values cannot overflow, no NumPy call); only where the sum is not finite are
-    the values scanned one by one."""
-    host = as_computed(host, dtype)
-    if host.size <= _LIST_MAX and host.dtype in _LIST_DTYPES and math.isfinite(sum(host.ravel().tolist())):
+    finite float32 values cannot overflow, no NumPy call) and, where the cast may overflow, its
+    largest magnitude compared with the dtype's largest value; only where these do not settle
+    it are the values cast and scanned."""
+    limit = None if dtype is None else _overflow_limit(host.dtype, dtype)
+    if host.size <= _LIST_MAX and host.dtype in _LIST_DTYPES:
+        values = host.ravel().tolist()
+        if math.isfinite(sum(values)) and (limit is None or max(map(abs, values), default=0.0) <= limit):
+            return True
+    elif limit is not None and host.size and float(np.abs(host).max()) <= limit:  # NaN compares False
         return True
-    return bool(np.isfinite(host).all())
+    return bool(np.isfinite(as_computed(host, dtype)).all())
 
 
 # The array classes whose instances are concrete (never tracers): NumPy's and the jax.Array
