@@ -319,7 +319,9 @@ class DeepseekV4Config:
         if get("qk_rope_head_dim") is not None:
             rope_dim = get("qk_rope_head_dim")
         elif get("partial_rotary_factor") is not None:
-            rope_dim = int(head_dim * get("partial_rotary_factor"))
+            if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+                raise TypeError(f"config['head_dim']: expected an int, got {type(head_dim).__name__} {head_dim!r}")
+            rope_dim = int(head_dim * _hf_number("partial_rotary_factor", get("partial_rotary_factor")))
         else:
             rope_dim = defaults.qk_rope_head_dim
 
@@ -328,6 +330,8 @@ class DeepseekV4Config:
         hca_rate = rates.get(HCA, get("compress_rate_hca", defaults.hca_compress_rate))
 
         n_layers = get("num_hidden_layers")
+        if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
+            raise ValueError(f"config['num_hidden_layers']: expected a positive int, got {n_layers!r}")
         if get("layer_types") is not None:
             layer_types = list(get("layer_types"))
         elif get("compress_ratios") is not None:

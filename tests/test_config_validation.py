@@ -69,6 +69,9 @@ def hub(**changes):
     (hub(rope_scaling="yarn"), TypeError, r"config\['rope_scaling'\]: expected a mapping .*got str"),
     (hub(compress_ratios="0,4"), TypeError, r"config\['compress_ratios'\]: expected a list, got str"),
     (hub(rope_theta="10000"), TypeError, r"config\['rope_theta'\]: expected a number, got str"),
+    (hub(num_hidden_layers="43"), ValueError, r"config\['num_hidden_layers'\]: expected a positive int, got '43'"),
+    (hub(qk_rope_head_dim=None, partial_rotary_factor="1/8"), TypeError,
+     r"config\['partial_rotary_factor'\]: expected a number, got str"),
     (hub(rope_parameters={"main": {"rope_theta": 1e4}}), TypeError,
      r"config\['rope_parameters'\]: expected either both"),
 ])
