@@ -36,6 +36,30 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 # The legacy hub field `compress_ratios` maps exactly these ratios to layer types (HF does the same).
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
+# The keys of a HF config.json that fix the attention layer's shapes (`from_hf` requires them).
+REQUIRED_HF_KEYS = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                    "sliding_window", "index_n_heads", "index_head_dim", "index_topk")
+_MAX_SIZE = 1 << 20  # any width, head count, rank, window or top-k
+_MAX_POSITIONS = 1 << 40
+_MAX_RATIO = 1 << 16  # tokens a compressed entry: the compressor's ring holds up to twice as many rows
+
+
+def _check_number(name: str, value: Any, *, low: float, high: float = math.inf) -> None:
+    """A finite real number (int or float, not bool) with low < value < high, else an error naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and low < value < high):
+        what = "a positive number" if low == 0 else f"a number > {low:g}"
+        raise ValueError(f"{name}: expected {what} (finite{'' if high == math.inf else f', below {high:g}'}), "
+                         f"got {value!r}")
+
+
+def _hf_number(key: str, value: Any, where: str = "config") -> float:
+    """`float(value)` of a HF config key, a `TypeError` naming the key for anything but a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}[{key!r}]: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
@@ -51,6 +75,20 @@ class YarnScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+
+    def __post_init__(self) -> None:
+        # Every field a finite positive number (a bool is no number here): NaN or inf would reach
+        # the rope tables and turn them into NaN or a plain rope without an error.
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            _check_number(f"YarnScaling.{name}", getattr(self, name), low=0.0)
+        value = self.original_max_position_embeddings
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"YarnScaling.original_max_position_embeddings: expected a positive int, got {value!r}")
+        if not self.beta_fast > self.beta_slow:
+            raise ValueError(f"YarnScaling.beta_fast: expected more than beta_slow ({self.beta_slow}) (the ramp "
+                             f"runs from the fast to the slow rotations), got {self.beta_fast}")
+        if not isinstance(self.truncate, bool):
+            raise TypeError(f"YarnScaling.truncate: expected a bool, got {type(self.truncate).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +136,20 @@ class DeepseekV4Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DeepseekV4Config.{name}: expected a positive int, got {value!r}")
-        for name in ("rope_theta", "compress_rope_theta", "rms_norm_eps"):
+            # Past these sizes the first allocation fails (out of memory) naming no field.
+            limit = _MAX_POSITIONS if name == "max_position_embeddings" else _MAX_SIZE
+            if value > limit:
+                raise ValueError(f"DeepseekV4Config.{name}: expected at most {limit:,}, got {value:,}")
+        for name in ("csa_compress_rate", "hca_compress_rate"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"DeepseekV4Config.{name}: expected a positive number, got {value!r}")
+            if value > _MAX_RATIO:
+                raise ValueError(f"DeepseekV4Config.{name}: expected a compression ratio of at most {_MAX_RATIO} "
+                                 f"tokens an entry (V4 uses 4 and 128), got {value:,}")
+        for name in ("rope_theta", "compress_rope_theta"):
+            # theta <= 1 makes every rotation as fast as the first; inf turns RoPE off.
+            _check_number(f"DeepseekV4Config.{name}", getattr(self, name), low=1.0)
+        # eps >= 1 swamps the mean square of unit-scale activations (inf zeroes the output).
+        _check_number("DeepseekV4Config.rms_norm_eps", self.rms_norm_eps, low=0.0, high=1.0)
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 f"DeepseekV4Config.qk_rope_head_dim: expected an even number (rope rotates channel pairs), "
@@ -122,6 +170,8 @@ class DeepseekV4Config:
                 f"DeepseekV4Config.o_groups: expected a divisor of num_attention_heads "
                 f"({self.num_attention_heads}), got {self.o_groups}"
             )
+        if any(not isinstance(t, str) for t in self.layer_types):
+            raise TypeError(f"DeepseekV4Config.layer_types: expected layer type names (str), got {self.layer_types!r}")
         if not self.layer_types:
             raise ValueError("DeepseekV4Config.layer_types: expected at least one layer, got ()")
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -238,14 +288,26 @@ class DeepseekV4Config:
     def from_hf(cls, config: Mapping[str, Any]) -> DeepseekV4Config:
         """Build from a HF `config.json` dict, normalized or hub form (see module docstring).
 
-        Missing keys take the HF defaults (V4-Flash values), as `DeepseekV4Config.from_dict`
-        does. Fields of the model that are not part of attention (MoE, mHC, vocab) are ignored.
+        The keys that fix the layer's shapes (`REQUIRED_HF_KEYS`, a layer schedule and the rope
+        width) are required, as every DeepSeek-V4 config.json has them: a dict without them is a
+        `ValueError` naming them (rather than V4-Flash's sizes filled in without a word). The
+        other attention keys (rope thetas and scaling, eps, max positions, compress rates) take
+        the HF defaults (V4-Flash values), as `DeepseekV4Config.from_dict` does. Fields of the
+        model that are not part of attention (MoE, mHC, vocab) are ignored. A value of the wrong
+        kind is a `TypeError` naming its key; a value out of range the config's `ValueError`.
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"config: expected a mapping (a parsed config.json), got {type(config).__name__}")
         c = dict(config)
         get = c.get
         defaults = cls()
+        for key in ("rope_parameters", "rope_scaling", "compress_rates"):
+            if get(key) is not None and not isinstance(get(key), Mapping):
+                raise TypeError(f"config[{key!r}]: expected a mapping (a JSON object) or null, got "
+                                f"{type(get(key)).__name__}")
+        for key in ("layer_types", "compress_ratios"):
+            if get(key) is not None and not isinstance(get(key), (list, tuple)):
+                raise TypeError(f"config[{key!r}]: expected a list, got {type(get(key)).__name__}")
 
         kv_heads = get("num_key_value_heads", 1)
         if kv_heads != 1:
@@ -257,7 +319,9 @@ class DeepseekV4Config:
         if get("qk_rope_head_dim") is not None:
             rope_dim = get("qk_rope_head_dim")
         elif get("partial_rotary_factor") is not None:
-            rope_dim = int(head_dim * get("partial_rotary_factor"))
+            if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+                raise TypeError(f"config['head_dim']: expected an int, got {type(head_dim).__name__} {head_dim!r}")
+            rope_dim = int(head_dim * _hf_number("partial_rotary_factor", get("partial_rotary_factor")))
         else:
             rope_dim = defaults.qk_rope_head_dim
 
@@ -266,6 +330,8 @@ class DeepseekV4Config:
         hca_rate = rates.get(HCA, get("compress_rate_hca", defaults.hca_compress_rate))
 
         n_layers = get("num_hidden_layers")
+        if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
+            raise ValueError(f"config['num_hidden_layers']: expected a positive int, got {n_layers!r}")
         if get("layer_types") is not None:
             layer_types = list(get("layer_types"))
         elif get("compress_ratios") is not None:
@@ -289,9 +355,21 @@ class DeepseekV4Config:
                 )
             layer_types = layer_types[:n_layers]  # hub lists carry extra MTP entries
 
+        missing = [k for k in REQUIRED_HF_KEYS if get(k) is None]
+        missing += [" or ".join(map(repr, keys)) for keys in (("layer_types", "compress_ratios"),
+                                                              ("qk_rope_head_dim", "partial_rotary_factor"))
+                    if all(get(k) is None for k in keys)]
+        if missing:
+            raise ValueError(
+                f"config: expected the keys that fix a DeepSeek-V4 attention layer's shapes (every config.json of the "
+                f"model has them), got a config without {', '.join(map(str, missing))}")
+
         main_theta = get("rope_theta", defaults.rope_theta)
         compress_theta = get("compress_rope_theta", defaults.compress_rope_theta)
         rope_params = get("rope_parameters") or {}
+        if isinstance(rope_params.get("main"), Mapping) != isinstance(rope_params.get("compress"), Mapping):
+            raise TypeError("config['rope_parameters']: expected either both 'main' and 'compress' as objects or the "
+                            f"flat form, got keys {sorted(rope_params)}")
         if isinstance(rope_params.get("main"), Mapping) and isinstance(rope_params.get("compress"), Mapping):
             main = rope_params["main"]
             compress = dict(rope_params["compress"])
@@ -321,10 +399,10 @@ class DeepseekV4Config:
             layer_types=tuple(layer_types),
             csa_compress_rate=csa_rate,
             hca_compress_rate=hca_rate,
-            rope_theta=float(main_theta),
-            compress_rope_theta=float(compress_theta),
+            rope_theta=_hf_number("rope_theta", main_theta),
+            compress_rope_theta=_hf_number("compress_rope_theta", compress_theta),
             compress_rope_scaling=scaling,
-            rms_norm_eps=float(get("rms_norm_eps", defaults.rms_norm_eps)),
+            rms_norm_eps=_hf_number("rms_norm_eps", get("rms_norm_eps", defaults.rms_norm_eps)),
             max_position_embeddings=get("max_position_embeddings", defaults.max_position_embeddings),
         )
 
@@ -372,15 +450,24 @@ def _yarn_from_dict(rope: Mapping[str, Any]) -> YarnScaling | None:
     if attention_factor is None:
         # HF (configuration_deepseek_v4.py) forces 1.0 for a yarn compress rope unless set explicitly.
         attention_factor = 1.0
-    if not math.isfinite(float(attention_factor)):
-        raise ValueError(f"config yarn attention_factor: expected a finite number, got {attention_factor!r}")
+    where = "config yarn rope parameters"
+    original = rope["original_max_position_embeddings"]
+    if isinstance(original, float) and original.is_integer():
+        original = int(original)
+    if isinstance(original, bool) or not isinstance(original, int):
+        raise TypeError(f"{where}['original_max_position_embeddings']: expected an int, got {original!r}")
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise TypeError(f"{where}['truncate']: expected a bool, got {truncate!r}")
+    # A missing (or null) beta takes HF's default; a present one is checked as given (0 stays 0).
+    beta_fast, beta_slow = rope.get("beta_fast"), rope.get("beta_slow")
     return YarnScaling(
-        factor=float(rope["factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        beta_fast=float(rope.get("beta_fast") or 32.0),
-        beta_slow=float(rope.get("beta_slow") or 1.0),
-        attention_factor=float(attention_factor),
-        truncate=bool(rope.get("truncate", True)),
+        factor=_hf_number("factor", rope["factor"], where),
+        original_max_position_embeddings=original,
+        beta_fast=32.0 if beta_fast is None else _hf_number("beta_fast", beta_fast, where),
+        beta_slow=1.0 if beta_slow is None else _hf_number("beta_slow", beta_slow, where),
+        attention_factor=_hf_number("attention_factor", attention_factor, where),
+        truncate=truncate,
     )
 
 

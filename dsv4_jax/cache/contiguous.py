@@ -80,6 +80,9 @@ class AttentionCache:
     layer_idx: int = struct.field(pytree_node=False, default=-1)
     layer_type: str = struct.field(pytree_node=False, default=SLIDING)
     max_seq_len: int = struct.field(pytree_node=False, default=0)
+    # The numerics of the layer that made it ("reference" / "official"; None: made without a
+    # layer). Its rows hold that numerics' rounding, so a layer of the other one refuses it.
+    numerics: str | None = struct.field(pytree_node=False, default=None)
 
     @property
     def batch_size(self) -> int:

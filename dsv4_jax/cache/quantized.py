@@ -196,8 +196,16 @@ def is_quantized(cache) -> bool:
 def check_cache_numerics(cache, numerics_setting: str) -> None:
     """An FP8 cache holds rows on the official numerics' grid and nothing else: a layer with
     ``numerics="reference"`` would store its keys rounded where the reference does not round.
+    And any cache made by a layer's `init_cache` holds the rounding of that layer's numerics
+    (its `numerics` tag): a layer of the other numerics refuses it.
     `ValueError` naming ``cache`` (the call's check, and the step's when it is traced)."""
     if is_quantized(cache) and numerics_setting != "official":
         raise ValueError(
             "cache: an FP8 cache (kv_cache_dtype='fp8') stores the official numerics' rounding of the keys; "
             f"expected a layer with numerics='official', got numerics={numerics_setting!r}")
+    made = getattr(cache, "numerics", None)
+    if made is not None and made != numerics.check_numerics(numerics_setting):
+        raise ValueError(
+            f"cache: expected a cache of a layer with numerics={numerics_setting!r} (its rows hold that "
+            f"numerics' rounding), got one made by a layer with numerics={made!r}; make it with this layer's "
+            "init_cache")

@@ -89,7 +89,15 @@ class TensorRef:
 
 
 def read_header(path: str) -> dict[str, TensorRef]:
-    """Parse a safetensors header (no tensor data is read): key -> `TensorRef`."""
+    """Parse a safetensors header (no tensor data is read): key -> `TensorRef`.
+
+    The layout is checked as the safetensors library checks it (its reader cannot take the
+    FP8 / E8M0 dtypes, so this one reads the format itself): every entry has a dtype, a shape of
+    non-negative ints and ``data_offsets`` [begin, end]; sorted by begin, the tensors start at 0
+    (right after the header), follow each other without gap or overlap, each spans dtype x shape
+    bytes (for the dtypes this reader knows), and the last one ends where the file ends. The one
+    leniency: a file cut short is reported when a tensor past the cut is read (`read_tensor`),
+    so that a layer before the cut still loads (the bytes of other layers are never needed)."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -113,12 +121,45 @@ def read_header(path: str) -> dict[str, TensorRef]:
         if key == "__metadata__":
             continue
         try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            refs[key] = TensorRef(key, path, str(info["dtype"]), tuple(int(s) for s in info["shape"]),
-                                  base + begin, base + end)
+            begin, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+            if not (_is_count(begin) and _is_count(end) and all(map(_is_count, shape)) and begin <= end
+                    and isinstance(info["dtype"], str)):
+                raise ValueError
+            refs[key] = TensorRef(key, path, info["dtype"], shape, base + begin, base + end)
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"checkpoint file {path!r}: malformed header entry for {key!r}: {info!r}") from None
+    _check_layout(path, refs, base)
     return refs
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_layout(path: str, refs: Mapping[str, TensorRef], base: int) -> None:
+    """The tensors tile the data section exactly (see `read_header`); a `ValueError` naming the
+    file and the offending tensor otherwise."""
+    at = base
+    for ref in sorted(refs.values(), key=lambda r: (r.start, r.stop)):
+        if ref.start != at:
+            what = "overlaps the tensor before it" if ref.start < at else "leaves a gap after the tensor before it"
+            where = "the start of the data" if at == base else f"data offset {at - base}"
+            raise ValueError(
+                f"checkpoint file {path!r}: expected tensor {ref.key!r} to start at {where}, got data_offsets "
+                f"[{ref.start - base}, {ref.stop - base}] (it {what}; the safetensors format stores tensors "
+                "back to back)")
+        dtype = _DTYPES.get(ref.dtype)
+        if dtype is not None and ref.stop - ref.start != math.prod(ref.shape) * dtype.itemsize:
+            raise ValueError(
+                f"checkpoint tensor {ref.key!r} in {path!r}: expected {math.prod(ref.shape) * dtype.itemsize} "
+                f"bytes for {ref.dtype} {list(ref.shape)}, the header gives {ref.stop - ref.start}")
+        at = ref.stop
+    size = os.path.getsize(path)
+    if size > at:
+        raise ValueError(
+            f"checkpoint file {path!r}: expected the tensors to end where the file ends ({size} bytes), got "
+            f"data up to byte {at} ({size - at} bytes after the last tensor)")
 
 
 def read_tensor(ref: TensorRef) -> np.ndarray:
@@ -169,13 +210,30 @@ def _catalog(path: str) -> tuple[dict[str, str], dict[str, dict[str, TensorRef]]
 
 
 def _from_index(index: str) -> dict[str, str]:
+    """key -> shard path of an index file. The shards must be files of the index's own directory:
+    a name that leads elsewhere (``../x.safetensors``, an absolute path, a link out) is refused,
+    as is a `weight_map` that is not a mapping of tensor name -> file name."""
     try:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"checkpoint index {index!r}: expected JSON with a 'weight_map' ({err})") from None
-    root = os.path.dirname(index)
-    return {k: os.path.join(root, v) for k, v in weight_map.items()}
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"checkpoint index {index!r}: expected 'weight_map' to map tensor names to shard files, "
+                         f"got {type(weight_map).__name__}")
+    root = os.path.dirname(os.path.abspath(index))
+    real_root = os.path.realpath(root)
+    out = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"checkpoint index {index!r}: expected weight_map[{key!r}] to be a shard file name, "
+                             f"got {name!r}")
+        shard = os.path.join(root, name)
+        if os.path.isabs(name) or os.path.commonpath([real_root, os.path.realpath(shard)]) != real_root:
+            raise ValueError(f"checkpoint index {index!r}: expected weight_map[{key!r}] to name a file inside the "
+                             f"checkpoint directory {root!r}, got {name!r}")
+        out[key] = shard
+    return out
 
 
 # ---------------------------------------------------------------------------- naming

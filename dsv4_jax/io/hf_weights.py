@@ -218,17 +218,29 @@ def assign_checked(attn, arrays: Mapping[str, np.ndarray], *, describe: Callable
     """Check `arrays` (HF name -> NumPy, PyTorch layout) strictly, then write them into `attn`."""
     check_weight_shapes(attn, {k: tuple(v.shape) for k, v in arrays.items()}, describe=describe, what=what)
     bad = []
+    table = parameter_table(attn)
     for name in sorted(arrays):
-        arr = arrays[name]
-        finite = np.isfinite(arr) if arr.dtype.kind == "f" else np.isfinite(arr.astype(np.float32))
+        # Finite in the dtype the parameter will hold (what `_convert` makes of it): a float32
+        # weight of 1e39 is as unusable in a bfloat16 layer as a NaN.
+        arr, target = arrays[name], _stored_dtype(table[name][2], attn)
+        with np.errstate(over="ignore", invalid="ignore"):
+            stored = arr.astype(np.float32).astype(target)
+        finite = np.isfinite(stored)
         if not finite.all():
-            bad.append(f"{describe(name)}: expected finite values, got {int(arr.size - finite.sum())} non-finite")
+            overflow = int((~finite & np.isfinite(arr.astype(np.float64))).sum())
+            why = f" ({overflow} of them finite in the given {arr.dtype}, overflowing {target})" if overflow else ""
+            bad.append(f"{describe(name)}: expected finite values, got {int(arr.size - finite.sum())} non-finite"
+                       f"{why}")
     if bad:
         raise ValueError(f"{what} for layer {attn.layer_idx} ({attn.layer_type}): " + "; ".join(bad))
-    table = parameter_table(attn)
     for name, arr in arrays.items():
         param, _, kind = table[name]
         param[...] = _convert(arr, kind, attn)
+
+
+def _stored_dtype(kind: str, attn) -> np.dtype:
+    """The dtype a parameter of `kind` holds in `attn` (`_convert`'s target)."""
+    return np.dtype(np.float32) if kind == "fp32" else np.dtype(jnp.dtype(attn.param_dtype))
 
 
 def _convert(arr: np.ndarray, kind: str, attn) -> jnp.ndarray:

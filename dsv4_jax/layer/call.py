@@ -28,10 +28,12 @@ from dsv4_jax.step.pure_step import step_for, step_function
 
 
 # ---------------------------------------------------------------------------- the finite guard
-def finite_guard(hidden_states):
+def finite_guard(hidden_states, dtype):
     """The finite check of an eager call's accelerator input, run as its own small program just
     before the step (`validation.finite_deferred`): (finite: bool scalar, written into pinned
     host memory (`backend.to_host_memory`), hidden_states with a non-finite input zeroed).
+    Finite means finite in the compute `dtype` (static): the step casts to it first, and a value
+    that overflows there is as poisonous as a NaN.
 
     The step runs on the guarded input, so nothing downstream (the native selection kernels, a
     host break) ever sees a NaN; the call reads the verdict after dispatching the step and, if
@@ -41,11 +43,11 @@ def finite_guard(hidden_states):
     verdict computed inside the step and read after it: one more program or one more host-memory
     read, ~0.13 ms either way (docs/breaks_and_kernels.md, "Why the kernels' defaults").
     """
-    finite = jnp.all(jnp.isfinite(hidden_states))
+    finite = jnp.all(jnp.isfinite(hidden_states.astype(dtype)))
     return to_host_memory(finite), jnp.where(finite, hidden_states, jnp.zeros((), hidden_states.dtype))
 
 
-_FINITE_GUARD = jax.jit(finite_guard)
+_FINITE_GUARD = jax.jit(finite_guard, static_argnums=1)
 # The steps that a deferred finite check runs (not sharded, not donating; with and without the overlap).
 _PLAIN_STEPS = frozenset(step_function(False, overlap=overlap) for overlap in (False, True))
 
@@ -135,18 +137,13 @@ def _cache_key(cache) -> tuple | None:
     """The structure of a cache (its static fields, the class of its length, its arrays' shapes,
     dtype and mesh): all that the static checks, the spec and the step's choice read of it.
     None for anything but an `AttentionCache`."""
-    if type(cache) is not AttentionCache:
+    # Every array's shape and dtype (`validation.cache_structure`): a cache crafted with one field
+    # changed is a new structure, checked in full, never a hit of a good one.
+    structure = validation.cache_structure(cache)
+    if structure is None:
         return None
-    try:
-        window, comp = cache.window, cache.compressor
-        placed = getattr(window, "sharding", None)
-        key = (type(cache.length), cache.layer_idx, cache.layer_type, cache.max_seq_len, type(window),
-               window.shape, window.dtype, None if comp is None else comp.entries.shape, cache.indexer is None,
-               placed if isinstance(placed, jax.sharding.NamedSharding) else None)
-        hash(key)
-    except Exception:  # not arrays where the cache holds them: the checks word it
-        return None
-    return key
+    placed = getattr(cache.window, "sharding", None)
+    return structure, placed if isinstance(placed, jax.sharding.NamedSharding) else None
 
 
 class _CallMemo:
@@ -179,10 +176,13 @@ def call(layer, hidden_states, positions, cache: AttentionCache, return_intermed
         if inputs is not None and structure is not None and memo.state == _layer_state(layer):
             hit = memo.entries.get((inputs, structure))
             if hit is not None:  # the static checks passed for this structure: the value checks only
+                if last is None and validation.donated(cache):  # (the cache it returned is live)
+                    validation.reject_donated()
                 finite = validation.finite_mode(layer)
                 deferred = hit[1] in _PLAIN_STEPS and validation.finite_deferred(hidden_states, finite)
                 before, after = validation.check_values(hidden_states, positions, cache.length,
-                                                        cache.max_seq_len, False if deferred else finite)
+                                                        cache.max_seq_len, False if deferred else finite,
+                                                        hit[0].dtype)
                 if last is not None and last[2] == before and not getattr(last[3], "is_deleted", _not_deleted)():
                     device_length = last[3]  # the mirror still holds what the step returned
                 else:
@@ -223,7 +223,7 @@ def call(layer, hidden_states, positions, cache: AttentionCache, return_intermed
             memo = _CALLS[layer] = _CallMemo(state)
         memo.entries[(inputs, structure)] = (spec, step)
     if deferred and step not in _PLAIN_STEPS:  # a sharded step: the check before dispatch after all
-        validation.check_finite("hidden_states", hidden_states, finite)
+        validation.check_finite("hidden_states", hidden_states, finite, spec.dtype)
         deferred = False
     before = host_length.tolist()
     after = advance_length(host_length, new_tokens).tolist()
@@ -262,7 +262,7 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
         else:
             step_input = hidden_states
             if finite_deferred:
-                finite, step_input = _FINITE_GUARD(hidden_states)
+                finite, step_input = _FINITE_GUARD(hidden_states, spec.dtype)
             out, new_cache, intermediates = step(weights, anonymous, step_input, positions, spec=spec)
     except Exception:
         with breaks.surface_host_errors():  # an exception on the host arrives as HostBreakError
@@ -272,7 +272,7 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
     # (This runs while the device computes.)
     mirror = np.array(after, np.int32)
     if finite_deferred and not bool(finite):  # nothing of the call is kept: the cache is the caller's
-        validation.reject_non_finite("hidden_states", hidden_states, ran=True)
+        validation.reject_non_finite("hidden_states", hidden_states, ran=True, dtype=spec.dtype)
     device_length = new_cache.length
     _remember_device_length(mirror, device_length, after)
     new_cache = _with(new_cache, cache.layer_idx, mirror)

@@ -186,7 +186,29 @@ def _weights_of(module: nnx.Module, cls):
     return cls(**values)
 
 
+def _weights_from_probe(probe: _Probe, module_cls):
+    """The weights pytree of the arrays `probe` recorded, in its walk's order (`_parameter_probe`):
+    what the probe vouches for is exactly what the pytree holds."""
+    held, raws = iter(probe[2]), iter(probe[4])
+
+    def build(cls):
+        values = {}
+        for name in _field_names(cls):
+            value = next(held)
+            values[name] = (None if value is None else build(type(value)) if isinstance(value, nnx.Module)
+                            else next(raws))
+        return _pytree_class(cls)(**values)
+
+    return build(module_cls)
+
+
+def _pytree_class(module_cls):
+    """The weights pytree class of a module class (a subclass has its base's)."""
+    return next(_PYTREE_CLASSES[base] for base in module_cls.__mro__ if base in _PYTREE_CLASSES)
+
+
 _FIELD_NAMES = {}  # module class -> the weights pytree's field names (filled below the classes)
+_PYTREE_CLASSES = {}  # module class -> its weights pytree class (filled below the classes)
 
 
 class DeepseekV4Attention(nnx.Module):
@@ -275,6 +297,7 @@ class DeepseekV4Attention(nnx.Module):
                 f"with numerics='official', got numerics={self.numerics!r}")
         cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
                                      allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype)
+        cache = cache.replace(numerics=self.numerics)  # its rows will hold this numerics' rounding
         # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)
 
@@ -285,18 +308,31 @@ class DeepseekV4Attention(nnx.Module):
         identity each call: an assignment, a loaded checkpoint or an optimizer update makes a
         new pytree). The cache lives outside the module (`_WEIGHTS`), so NNX never sees it; it
         keeps a probe of the attributes, parameters and arrays it was built from, so that the
-        check is a few identity comparisons rather than a walk of the modules."""
+        check is a few identity comparisons rather than a walk of the modules.
+
+        Safe against a concurrent load (another thread assigning parameters): the pytree is
+        built from the very arrays the probe recorded, never from a second read, so a memo can
+        never pair older arrays with a newer probe (which would keep the old weights forever)."""
+        return self._probed_weights()[1]
+
+    def _probed_weights(self) -> tuple:
+        """(the probe of the parameters, or None, `weights()` built from exactly what it read)."""
         hit = _WEIGHTS.get(self)
         if hit is not None and hit[0] is not None and hit[0].holds():
-            return hit[2]  # the same parameters still hold the same arrays
-        arrays = _parameter_arrays(self)
-        key = tuple(map(id, arrays))
+            return hit[0], hit[2]  # the same parameters still hold the same arrays
+        probe = _parameter_probe(self)
+        if probe is None:  # a parameter holds something else than a plain array: the walk
+            weights = _weights_of(self, AttentionWeights)
+            _WEIGHTS[self] = (None, None, weights)
+            return None, weights
+        # The arrays' identities are a valid key: the memo's pytree keeps its own arrays alive.
+        key = tuple(map(id, probe[4]))
         if hit is not None and hit[1] == key:  # the cached pytree holds these very arrays
             weights = hit[2]
         else:
-            weights = _weights_of(self, AttentionWeights)
-        _WEIGHTS[self] = (_parameter_probe(self), key, weights)
-        return weights
+            weights = _weights_from_probe(probe, type(self))
+        _WEIGHTS[self] = (probe, key, weights)
+        return probe, weights
 
     def step_weights(self) -> AttentionWeights:
         """What the layer's call hands its compiled step: `weights()`, for a CSA layer with the
@@ -305,7 +341,9 @@ class DeepseekV4Attention(nnx.Module):
 
         Use it to drive `attention_step` yourself at the layer's speed; differentiate through
         `weights()` (its leaves are the parameters; `input_proj` would be a leaf of its own)."""
-        weights = self.weights()
+        return self._step_weights_of(self.weights())
+
+    def _step_weights_of(self, weights: AttentionWeights) -> AttentionWeights:
         if weights.indexer is None:
             # Only CSA layers: their 7 input GEMMs are what XLA merged (with the copy); an HCA
             # layer's 4 ran slower as one on the H200 (B = 1: 0.17 against 0.12 ms a layer).
@@ -317,9 +355,10 @@ class DeepseekV4Attention(nnx.Module):
 
     def _probed_step_weights(self) -> tuple:
         """(the probe of the parameters `weights()` was made from, or None, `step_weights()`):
-        what the call path holds to reuse the pytree while the probe `holds()`."""
-        weights = self.step_weights()
-        return _WEIGHTS[self][0], weights
+        what the call path holds to reuse the pytree while the probe `holds()`. Both come from
+        one `_probed_weights()` (no second look-up another thread could change in between)."""
+        probe, weights = self._probed_weights()
+        return probe, self._step_weights_of(weights)
 
     @property
     def compute_dtype(self):
@@ -383,3 +422,5 @@ _FIELD_NAMES.update({
     Compressor: tuple(f.name for f in dataclasses.fields(CompressorWeights)),
     Indexer: tuple(f.name for f in dataclasses.fields(IndexerWeights)),
 })
+_PYTREE_CLASSES.update({DeepseekV4Attention: AttentionWeights, Compressor: CompressorWeights,
+                        Indexer: IndexerWeights})

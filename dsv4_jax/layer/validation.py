@@ -36,6 +36,7 @@ set per layer by ``DeepseekV4Attention(..., check_finite=...)`` / the attribute
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -44,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.backend import is_tracer
-from dsv4_jax.cache.contiguous import AttentionCache, advance_length, next_positions
-from dsv4_jax.cache.quantized import check_cache_numerics
+from dsv4_jax.cache.contiguous import AttentionCache, advance_length, init_attention_cache, next_positions
+from dsv4_jax.cache.quantized import check_cache_numerics, is_quantized
 from dsv4_jax.config import CSA, HCA
 
 CHECK_FINITE_MODES = (True, "host", False)
@@ -71,18 +72,60 @@ def _shape_dtype(name: str, value: Any):
     return tuple(shape), jnp.dtype(dtype)
 
 
+def cache_structure(cache: Any) -> tuple | None:
+    """The static fields of a cache and the class, shape and dtype of each of its arrays (a
+    hashable key; None for anything but an `AttentionCache` holding array-likes)."""
+    if type(cache) is not AttentionCache:
+        return None
+    try:
+        window, length = cache.window, cache.length
+        key = (type(length), length.shape, length.dtype, cache.layer_idx, cache.layer_type, cache.max_seq_len,
+               cache.numerics, type(window), window.shape, window.dtype, _state_key(cache.compressor),
+               _state_key(cache.indexer))
+        hash(key)
+    except Exception:  # not arrays where the cache holds them: the checks word it
+        return None
+    return key
+
+
+def _state_key(state) -> tuple | None:
+    """The shapes and dtypes of a compressor state's arrays (None for no state)."""
+    if state is None:
+        return None
+    entries, buffer = state.entries, state.buffer
+    return type(entries), entries.shape, entries.dtype, buffer.shape, buffer.dtype
+
+
+# (config, layer index, numerics, `cache_structure`) of the caches `check_cache` accepted: the
+# same structure again needs only the donation check (a decode loop with positions=None checks
+# its cache every call).
+_ACCEPTED: dict = {}
+
+
 def check_cache(attn, cache: Any) -> None:
-    """The cache belongs to this layer (index, type, sizes)."""
+    """The cache belongs to this layer: index, type, the numerics it was filled under, and every
+    field of the pytree (`length` [B] int, the window, the compressor and indexer states, the
+    FP8 rows' parts) of the shape and dtype that this layer's ``init_cache(B, max_seq_len,
+    dtype=cache.dtype)`` makes (`expected_cache`). The cache's own dtype against the layer's
+    compute dtype is `check_call`'s (a `TypeError`)."""
     cfg = attn.config
     if not isinstance(cache, AttentionCache):
         raise TypeError(
             f"cache: expected an AttentionCache from attn.init_cache(...), got {type(cache).__name__}"
         )
+    structure = cache_structure(cache)
+    accepted = None if structure is None else (attn.config, attn.layer_idx, attn.numerics, structure)
+    if accepted is not None and accepted in _ACCEPTED:
+        if donated(cache):
+            reject_donated()
+        return
     if (cache.layer_idx, cache.layer_type) != (attn.layer_idx, attn.layer_type):
         raise ValueError(
             f"cache: expected the cache of layer {attn.layer_idx} ({attn.layer_type}), got the cache of "
             f"layer {cache.layer_idx} ({cache.layer_type})"
         )
+    if any(map(_deleted, jax.tree.leaves(cache))):
+        reject_donated()
     want_window = (cfg.sliding_window, cfg.head_dim)
     if tuple(cache.window.shape[1:]) != want_window:
         raise ValueError(
@@ -98,13 +141,66 @@ def check_cache(attn, cache: Any) -> None:
                 f"{attn.layer_type} layer, got {'a state' if present else 'None'}"
             )
     check_cache_numerics(cache, attn.numerics)
-    if cache.compressor is not None:
-        want = cfg.entry_slots(attn.layer_type, cache.max_seq_len)
-        if cache.compressor.entries.shape[1:] != (want, cfg.head_dim):
+    max_seq_len = cache.max_seq_len
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1:
+        raise ValueError(f"cache.max_seq_len: expected a positive int, got {max_seq_len!r}")
+    batch = cache.window.shape[0] if len(getattr(cache.window, "shape", ())) == 3 else None
+    length = cache.length
+    l_shape, l_dtype = _shape_dtype("cache.length", length)
+    if batch is None or l_shape != (batch,) or not jnp.issubdtype(l_dtype, jnp.integer):
+        raise ValueError(
+            f"cache.length: expected int32 [B] with B = {batch} (the window's batch), got {l_dtype}{list(l_shape)}")
+    dtype = cache.dtype
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"cache.window: expected a floating dtype, got {dtype}")
+    expected = expected_cache(attn.config, attn.layer_idx, batch, int(max_seq_len), jnp.dtype(dtype),
+                              "fp8" if is_quantized(cache) else "auto")
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(cache.replace(length=None))
+    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(
+        expected.replace(length=None, numerics=cache.numerics))  # the numerics: checked above
+    if got_tree != want_tree:
+        raise ValueError(f"cache: expected the pytree that attn.init_cache makes ({want_tree}), got {got_tree}")
+    for (path, got), (_, want) in zip(got_leaves, want_leaves):
+        g_shape, g_dtype = _shape_dtype(f"cache{jax.tree_util.keystr(path)}", got)
+        if g_shape != tuple(want.shape) or g_dtype != want.dtype:
             raise ValueError(
-                f"cache.compressor.entries: expected shape [B, {want}, {cfg.head_dim}], got "
-                f"{list(cache.compressor.entries.shape)}"
-            )
+                f"cache{jax.tree_util.keystr(path)}: expected {want.dtype}{_dims(want.shape)} for this config "
+                f"(what attn.init_cache({batch}, {max_seq_len}) makes for layer {attn.layer_idx}), got "
+                f"{g_dtype}{list(g_shape)} (a cache made for another config?)")
+    if accepted is not None:
+        if len(_ACCEPTED) > 256:
+            _ACCEPTED.clear()
+        _ACCEPTED[accepted] = True
+
+
+def _dims(shape) -> str:
+    return "[B, " + ", ".join(map(str, shape[1:])) + "]"
+
+
+@functools.lru_cache(maxsize=64)
+def expected_cache(cfg, layer_idx: int, batch: int, max_seq_len: int, dtype, kv_cache_dtype: str) -> AttentionCache:
+    """The shapes and dtypes (`jax.ShapeDtypeStruct` leaves) of the cache that `init_cache` makes
+    for layer `layer_idx` of `cfg`: the one complete spec a cache is checked against."""
+    return jax.eval_shape(lambda: init_attention_cache(cfg, layer_idx, batch, max_seq_len, dtype,
+                                                       allow_long_context=True, kv_cache_dtype=kv_cache_dtype))
+
+
+def _deleted(value: Any) -> bool:
+    return isinstance(value, jax.Array) and not is_tracer(value) and value.is_deleted()
+
+
+def donated(cache: AttentionCache) -> bool:
+    """Whether the cache's arrays were consumed (donated to an earlier call): its window tells
+    (a donation deletes every array of the cache together)."""
+    window = cache.window
+    return _deleted(getattr(window, "values", window))
+
+
+def reject_donated() -> None:
+    raise ValueError(
+        "cache: expected a live cache, got one whose arrays were donated to an earlier call (a layer with "
+        "donate_cache=True consumes the cache passed in, even the call's own, so that XLA updates it in place); "
+        "pass the cache that call returned, or set donate_cache=False to keep the caller's cache")
 
 
 def check_hidden_states(attn, hidden_states: Any) -> tuple:
@@ -166,16 +262,17 @@ def check_call(attn, hidden_states: Any, positions: Any, cache: Any, return_inte
         return spec, None, None  # values unknown while tracing: shapes and dtypes were checked
     if finite is None:
         finite = finite_mode(attn)
-    before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len, finite)
+    before, after = check_values(hidden_states, positions, cache.length, cache.max_seq_len, finite, spec.dtype)
     length = np.array(before, np.int32)
     return spec, length, np.array(after, np.int32) - length
 
 
 def check_values(hidden_states: Any, positions: Any, length: Any, max_seq_len: int,
-                 finite: bool | str) -> tuple[list, list]:
+                 finite: bool | str, dtype: Any = None) -> tuple[list, list]:
     """The value checks of `check_call` alone, for a call whose shapes, dtypes and cache
     `check_call` accepted before (the layer's memo of them; concrete inputs): positions by
-    `check_positions`'s rules, then `check_finite` with mode `finite`. Same errors, same order.
+    `check_positions`'s rules, then `check_finite` with mode `finite` in the compute `dtype`.
+    Same errors, same order.
 
     Returns (the lengths the checks read, the lengths after the call), lists of B ints: the
     values of `check_call`'s checked length and of ``advance_length`` of it by the real tokens.
@@ -200,7 +297,7 @@ def check_values(hidden_states: Any, positions: Any, length: Any, max_seq_len: i
         new_tokens = check_positions(pos.astype(np.int64), checked, max_seq_len)
         checked = checked.astype(np.int32)
         before, after = checked.tolist(), advance_length(checked, new_tokens.astype(np.int32)).tolist()
-    check_finite("hidden_states", hidden_states, finite)
+    check_finite("hidden_states", hidden_states, finite, dtype)
     return before, after
 
 
@@ -299,7 +396,8 @@ def check_positions(pos: np.ndarray, length: np.ndarray, max_seq_len: int) -> np
     return count
 
 
-_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+# Finite after the cast to the compute dtype (static): what the step computes on.
+_all_finite = jax.jit(lambda x, dtype: jnp.isfinite(x.astype(dtype)).all(), static_argnums=1)
 
 
 def _on_cpu(value: jax.Array) -> bool:
@@ -340,13 +438,42 @@ _LIST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # whose .tolist() g
 _LIST_MAX = 128  # arrays of at most this many values are summed as Python floats
 
 
-def _finite_on_host(host: np.ndarray) -> bool:
-    """Whether every value of `host` is finite. A small float32/float64 array is summed as Python
-    floats (double precision: NaN and inf propagate, finite float32 values cannot overflow, no
-    NumPy call); only where the sum is not finite are the values scanned one by one."""
-    if host.size <= _LIST_MAX and host.dtype in _LIST_DTYPES and math.isfinite(sum(host.ravel().tolist())):
+def as_computed(host: np.ndarray, dtype: Any) -> np.ndarray:
+    """`host` as the step computes on it: converted the way JAX converts a NumPy input (float64
+    to float32 unless x64 is on), then cast to the compute `dtype` (None: as it is). A value
+    finite in its own dtype may overflow to inf here (1e39 into float32, 1e5 into float16)."""
+    if dtype is None or _overflow_limit(host.dtype, dtype) is None:
+        return host
+    with np.errstate(over="ignore", invalid="ignore"):
+        return host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False).astype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _overflow_limit(source: Any, dtype: Any) -> float | None:
+    """The largest value of `dtype` where a finite value of dtype `source` may become inf when
+    cast to it (a narrower range), else None. Values of at most this magnitude stay finite
+    through any rounding on the way."""
+    source, dtype = np.dtype(source), np.dtype(dtype)
+    if source == dtype or not jnp.issubdtype(source, jnp.floating):
+        return None
+    limit = float(jnp.finfo(dtype).max)
+    return limit if limit < float(jnp.finfo(source).max) else None
+
+
+def _finite_on_host(host: np.ndarray, dtype: Any = None) -> bool:
+    """Whether every value of `host` is finite in the compute `dtype` (`as_computed`). A small
+    float32/float64 array is summed as Python floats (double precision: NaN and inf propagate,
+    finite float32 values cannot overflow, no NumPy call) and, where the cast may overflow, its
+    largest magnitude compared with the dtype's largest value; only where these do not settle
+    it are the values cast and scanned."""
+    limit = None if dtype is None else _overflow_limit(host.dtype, dtype)
+    if host.size <= _LIST_MAX and host.dtype in _LIST_DTYPES:
+        values = host.ravel().tolist()
+        if math.isfinite(sum(values)) and (limit is None or max(map(abs, values), default=0.0) <= limit):
+            return True
+    elif limit is not None and host.size and float(np.abs(host).max()) <= limit:  # NaN compares False
         return True
-    return bool(np.isfinite(host).all())
+    return bool(np.isfinite(as_computed(host, dtype)).all())
 
 
 # The array classes whose instances are concrete (never tracers): NumPy's and the jax.Array
@@ -381,8 +508,10 @@ def _learn_jax_type(kind: type) -> bool:
     return True
 
 
-def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
-    """Reject NaN/inf in a concrete array (see the module docstring for `mode` and the cost)."""
+def check_finite(name: str, value: Any, mode: bool | str = True, dtype: Any = None) -> None:
+    """Reject NaN/inf in a concrete array (see the module docstring for `mode` and the cost),
+    after its cast to the compute `dtype` (None: in its own dtype): a value that overflows the
+    dtype the step computes in is as non-finite as a NaN there."""
     if mode is not True:
         check_finite_mode(mode)
         if mode is False:
@@ -396,7 +525,7 @@ def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
         # A host-resident array is read in place (no dispatch of a reduction, no transfer);
         # a device array is reduced on its device and only the verdict comes back.
         if not _host_resident(value):
-            if bool(_all_finite(value)):
+            if bool(_all_finite(value, value.dtype if dtype is None else jnp.dtype(dtype))):
                 return
             host = None
         else:
@@ -405,9 +534,9 @@ def check_finite(name: str, value: Any, mode: bool | str = True) -> None:
         return
     else:
         host = np.asarray(value)
-    if host is not None and _finite_on_host(host):
+    if host is not None and _finite_on_host(host, dtype):
         return
-    reject_non_finite(name, value)
+    reject_non_finite(name, value, dtype=dtype)
 
 
 def finite_deferred(value: Any, mode: bool | str) -> bool:
@@ -427,16 +556,21 @@ def finite_deferred(value: Any, mode: bool | str) -> bool:
     return not _host_resident(value)
 
 
-def reject_non_finite(name: str, value: Any, ran: bool = False) -> None:
-    """Raise the finite check's ValueError for `value` (read on the host), which holds a NaN/inf;
-    `ran`: the step ran on it (a check read after dispatch) and its results were dropped."""
+def reject_non_finite(name: str, value: Any, ran: bool = False, dtype: Any = None) -> None:
+    """Raise the finite check's ValueError for `value` (read on the host), which holds a NaN/inf
+    in the compute `dtype` (None: its own); `ran`: the step ran on it (a check read after
+    dispatch) and its results were dropped."""
     host = np.asarray(value)
-    bad = ~np.isfinite(host)
+    computed = as_computed(host, dtype)
+    bad = ~np.isfinite(computed)
     first = tuple(int(i) for i in np.argwhere(bad)[0])
     outcome = "its results were discarded" if ran else "the call was not run"
+    where = f"{host[first]}"
+    if np.isfinite(host[first]):
+        where += f", which is {computed[first]} in the compute dtype {np.dtype(dtype)}"
     raise ValueError(
         f"{name}: expected finite values, got {int(bad.sum())} non-finite of {host.size} (first at "
-        f"{list(first)}: {host[first]}); {outcome}, the cache is unchanged"
+        f"{list(first)}: {where}); {outcome}, the cache is unchanged"
     )
 
 

@@ -16,7 +16,8 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     xp = namespace(x, weight)
     h = x.astype(np.float32)
     h = h / xp.sqrt(xp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return (weight.astype(np.float32) * h).astype(x.dtype)
+    weight = weight.astype(np.float32).reshape((1,) * (h.ndim - weight.ndim) + weight.shape)  # no rank promotion
+    return (weight * h).astype(x.dtype)
 
 
 def head_rms_norm(x: Array, eps: float) -> Array:

@@ -110,7 +110,8 @@ def rotation_tables(positions: Array, freqs: Array, scale: float, dtype, *, inve
     values rounded to `dtype` (times `scale`), sin negated for the inverse rotation. `xp`: the
     array namespace to compute them in (default: jax.numpy for JAX arguments, else NumPy)."""
     xp = xp or namespace(positions, freqs)
-    angle = positions.astype(np.float32)[..., None] * freqs.astype(np.float32)  # [..., rd/2]
+    freqs = freqs.astype(np.float32).reshape((1,) * positions.ndim + freqs.shape)  # ranks explicit
+    angle = positions.astype(np.float32)[..., None] * freqs  # [..., rd/2]
     cos = (xp.cos(angle) * scale).astype(dtype).astype(np.float32)
     sin = (xp.sin(angle) * scale).astype(dtype).astype(np.float32)
     return cos, (-sin if inverse else sin)

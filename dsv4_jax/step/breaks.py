@@ -138,7 +138,7 @@ def _on_host(fn: Callable[..., Any], where: str) -> Callable[..., Any]:
     def host_fn(*args):
         try:
             return fn(*jax.tree.map(np.asarray, args))
-        except Exception as err:
+        except BaseException as err:  # SystemExit, KeyboardInterrupt too: XLA would flatten them anonymously
             n = _record(err)
             raise HostBreakError(f"{_MARKER} #{n} {where} failed: {type(err).__name__}: {err}") from err
 

@@ -147,7 +147,7 @@ def run_flagged(slot: _Slot, step, weights, cache, hidden_states, positions, spe
         finite = _await(slot, want, out)
         slot.unawaited = None
         if finite is None:  # no trustworthy word: the input checked here
-            finite = bool(jnp.all(jnp.isfinite(hidden_states)))
+            finite = bool(jnp.all(jnp.isfinite(hidden_states.astype(spec.dtype))))
         else:
             slot.last = want
         return out, new_cache, intermediates, finite

@@ -60,18 +60,34 @@ def resolve(overlap: str, platform: str) -> bool:
     return overlap == "on" or (overlap == "auto" and platform in AUTO_ON)
 
 
-def compiler_options(overlap: bool | str = "auto", platform: str | None = None) -> dict[str, str]:
+def compiler_options(overlap: bool | str = "auto", platform: str | None = None, *,
+                     deterministic: bool = False) -> dict[str, Any]:
     """The XLA compile options of a step with or without the overlap (a `resolve`d bool, or a
     setting of `OVERLAP_CHOICES` resolved for `platform`, default jax's default backend), for
     ``jax.jit(..., compiler_options=...)``: CONCURRENT command buffers, or nothing (the
     process's schedule; a jit without options may also be nested in another jit, which JAX
-    refuses for a jit with options)."""
+    refuses for a jit with options).
+
+    deterministic: on CUDA, also XLA's `DETERMINISTIC_OPTIONS` (run-to-run identical results:
+    no atomics-based reductions or scatters, no autotuning that may pick another algorithm
+    from one compile to the next), at some cost in speed; other platforms add nothing (their
+    XLA code is deterministic already). The layer's own step compiles without them: pass these
+    options to your own `jax.jit` around the layer, or set the same flags in ``XLA_FLAGS``."""
+    if platform is None and (isinstance(overlap, str) or deterministic):
+        import jax
+
+        from dsv4_jax.native import platform_name
+
+        platform = platform_name(jax.default_backend())
     if isinstance(overlap, str):
-        if platform is None:
-            import jax
-
-            from dsv4_jax.native import platform_name
-
-            platform = platform_name(jax.default_backend())
         overlap = resolve(overlap, platform)
-    return {SCHEDULING_OPTION: "CONCURRENT"} if overlap else {}
+    options = {SCHEDULING_OPTION: "CONCURRENT"} if overlap else {}
+    if deterministic and platform == "cuda":
+        options.update(DETERMINISTIC_OPTIONS)
+    return options
+
+
+# XLA's debug options for run-to-run reproducible GPU programs (`compiler_options(deterministic=True)`):
+# deterministic implementations of the ops that have one (scatter, reductions), and no autotuning,
+# whose choice of GEMM / convolution algorithm may differ from one compile to the next.
+DETERMINISTIC_OPTIONS = {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}

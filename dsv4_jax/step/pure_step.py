@@ -393,9 +393,9 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     cfg, dtype, prec = spec.cfg, spec.dtype, spec.precision
     check_cache_numerics(cache, spec.numerics)
     flag = None
-    if spec.finite_flag:  # the eager call polls the verdict; a non-finite input is zeroed
-        hidden_states, flag = finite_flag.flagged(hidden_states)
     x = hidden_states.astype(dtype)
+    if spec.finite_flag:  # the eager call polls the verdict (after the cast: an overflow counts)
+        x, flag = finite_flag.flagged(x)
     length = jnp.asarray(cache.length, jnp.int32)
     positions = next_positions(length, x.shape[1]) if positions is None else positions.astype(jnp.int32)
     cache = cache.replace(length=length)

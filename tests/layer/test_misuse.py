@@ -383,7 +383,7 @@ def test_inconsistent_configs_are_refused():
         (dict(index_head_dim=4), r"index_head_dim: expected >= qk_rope_head_dim \(8\) .*got 4"),
         (dict(hidden_size=0), r"DeepseekV4Config.hidden_size: expected a positive int, got 0"),
         (dict(layer_types=("sliding_attention", "dense")), r"layer_types: expected entries from .*got \['dense'\]"),
-        (dict(rms_norm_eps=-1.0), r"rms_norm_eps: expected a positive number, got -1.0"),
+        (dict(rms_norm_eps=-1.0), r"rms_norm_eps: expected a positive number \(finite, below 1\), got -1.0"),
     ]
     for overrides, pattern in cases:
         with pytest.raises(ValueError, match=pattern):

@@ -151,7 +151,7 @@ def _pool(windows: Array, before: Array, first_entry: Array, position_bias: Arra
     win_kv, raw_gate = windows[..., :width], windows[..., width:]  # [B, P, m, n*Dc] each
     before_kv, before_gate = before[..., :width], before[..., width:]  # [B, m, n*Dc]
     # The reference adds the float32 bias to the raw gate, so the logits are float32.
-    bias = position_bias.astype(np.float32)
+    bias = position_bias.astype(np.float32)[None, None]  # [1, 1, m, n*Dc]: ranks explicit
     pool_kv, pool_gate = win_kv, raw_gate.astype(np.float32) + bias
 
     if overlap:
@@ -159,7 +159,7 @@ def _pool(windows: Array, before: Array, first_entry: Array, position_bias: Arra
         # window before the unfinished one (`before_*`, from the ring), absent for entry 0.
         has_prev = (first_entry > 0)[:, None, None, None]
         prev0_kv = xp.where(has_prev, before_kv[:, None, :, :dc], xp.zeros((), before_kv.dtype)).astype(dtype)
-        prev0_gate = xp.where(has_prev, before_gate[:, None, :, :dc].astype(np.float32) + bias[:, :dc], -np.inf)
+        prev0_gate = xp.where(has_prev, before_gate[:, None, :, :dc].astype(np.float32) + bias[..., :dc], -np.inf)
         prev_kv = xp.concatenate([prev0_kv, pool_kv[:, :-1, :, :dc]], axis=1)
         prev_gate = xp.concatenate([prev0_gate, pool_gate[:, :-1, :, :dc]], axis=1)
         slots_kv = xp.concatenate([prev_kv, pool_kv[..., dc:]], axis=2)  # [B, P, 2m, Dc]

@@ -80,7 +80,7 @@ def window_indices(positions: Array, length: Array, window: int) -> Array:
     query's valid indices are consecutive (the range backward, `sparse_attention_backward_wgmma`,
     relies on it).
     """
-    p = positions[..., None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)  # [B, S, W] ascending
+    p = positions[..., None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)[None, None]  # [B, S, W] ascending
     return jnp.where(p >= 0, window + p - length[:, None, None], -1).astype(jnp.int32)
 
 
@@ -88,7 +88,7 @@ def in_position_order(window_cache: Array, length: Array, window: int) -> Array:
     """The window cache [B, W, D] (position p in slot p % W) with index i holding position
     ``length - W + i``: the W positions before the call, oldest first (those before position 0
     hold whatever the slot does; no query reads them)."""
-    slots = (length[:, None] - window + jnp.arange(window, dtype=jnp.int32)) % window  # [B, W]
+    slots = (length[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]) % window  # [B, W]
     return jnp.take_along_axis(window_cache, slots[..., None], axis=1)
 
 
@@ -115,7 +115,7 @@ def key_pool(window_before: Array, window_after: Array, keys: Array, positions: 
     Either way each query's valid indices are consecutive (slots 0..min(t, W-1) in decode).
     """
     if keys.shape[1] == 1 and window_after.dtype == keys.dtype:
-        slot = jnp.arange(window, dtype=jnp.int32)
+        slot = jnp.arange(window, dtype=jnp.int32).reshape((1,) * positions.ndim + (window,))
         return window_after, jnp.where(slot <= positions[..., None], slot, -1).astype(jnp.int32), True
     ordered = in_position_order(window_before, length, window)
     return jnp.concatenate([ordered, keys], axis=1), window_indices(positions, length, window), False
