@@ -36,6 +36,9 @@
 #   finite    the finite check's verdict by the step's flag (dsv4_jax.step.finite_flag): its tests with the
 #             CUDA handler, then the module call with each finite-check way against the jitted step
 #             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
+#   repro     the same bits in every process? bench/reproducibility.py three times with the defaults,
+#             three times with deterministic=True (REPRO_ARGS), one process after another ->
+#             $OUT/repro_<setting>_<i>.json and the summary $OUT/reproducibility.json
 #   trainab   the same for the training step: bench/train.py --size flash $TRAIN_ARGS $ARGS_T per variant,
 #             ORDER and the swapped files as in ab -> $OUT/train_ab_<i>_<tag>.json; AUTOTUNE_DUMP=1 also
 #             writes what XLA's autotuner chose in each process -> $OUT/autotune_<i>_<tag>.textproto (the
@@ -45,6 +48,20 @@
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 source "$(dirname "$0")/gpu_build.sh"
+
+repro() {
+  local files=()
+  for setting in default deterministic; do
+    for i in 1 2 3; do
+      local flag=""; [ "$setting" = deterministic ] && flag="--deterministic"
+      timeout "${REPRO_TIMEOUT:-150}" python3 bench/reproducibility.py --size flash $flag ${REPRO_ARGS:-} \
+        --json "$OUT/repro_${setting}_$i.json" >"$OUT/repro_${setting}_$i.log" 2>&1
+      echo "repro $setting $i rc=$? $(grep -o '"digest": "[0-9a-f]\{12\}' "$OUT/repro_${setting}_$i.json" 2>/dev/null)"
+      [ -f "$OUT/repro_${setting}_$i.json" ] && files+=("$OUT/repro_${setting}_$i.json")
+    done
+  done
+  python3 bench/reproducibility.py --summarize "${files[@]}" --json "$OUT/reproducibility.json"
+}
 
 gates() {
   timeout "${GATES_TIMEOUT:-420}" python3 -m pytest -q -s -p no:cacheprovider --durations=10 \

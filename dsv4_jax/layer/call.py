@@ -49,7 +49,8 @@ def finite_guard(hidden_states, dtype):
 
 _FINITE_GUARD = jax.jit(finite_guard, static_argnums=1)
 # The steps that a deferred finite check runs (not sharded, not donating; with and without the overlap).
-_PLAIN_STEPS = frozenset(step_function(False, overlap=overlap) for overlap in (False, True))
+_PLAIN_STEPS = frozenset(step_function(False, overlap=overlap, deterministic=deterministic)
+                         for overlap in (False, True) for deterministic in (False, True))
 
 
 # ---------------------------------------------------------------------------- the device lengths

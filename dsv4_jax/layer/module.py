@@ -220,7 +220,8 @@ class DeepseekV4Attention(nnx.Module):
 
     Options (keyword arguments, each also a settable attribute): `LayerOptions`'s fields
     (break_mode, break_on, kernels, dtype, param_dtype, precision, query_block, donate_cache,
-    check_finite, checkify, sharding_rules, numerics, overlap), held as ``attn.options``.
+    check_finite, checkify, sharding_rules, numerics, overlap, deterministic), held as
+    ``attn.options``.
     mesh: a `jax.sharding.Mesh` (axes "data" for the batch, "model" for the heads;
     `dsv4_jax.step.sharding.make_mesh`) to run on: the parameters are placed on it by their
     logical axes, `init_cache` makes a batch-sharded cache, and the breaks run per batch shard.
@@ -382,7 +383,7 @@ class DeepseekV4Attention(nnx.Module):
     def _new_step_spec(self, mesh, return_intermediates: bool, checks: bool) -> StepSpec:
         layout = None if mesh is None else sharding.layout(self.config, mesh, self.sharding_rules)
         plan = plan_step(self.layer_type, self.break_mode, self.break_on, self.kernels, layout=layout,
-                         overlap=self.overlap)
+                         overlap=self.overlap, deterministic=self.deterministic)
         dtype = self.compute_dtype
         precision = self.precision
         if precision is None and jnp.dtype(dtype) == jnp.float32:

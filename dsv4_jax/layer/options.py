@@ -79,6 +79,13 @@ class LayerOptions:
                   where it measured faster (CUDA). No effect off CUDA, nor on a step traced
                   inside your own `jax.jit` (give that jit
                   ``compiler_options=dsv4_jax.compiler_options()``).
+    deterministic: False (default) or True: on CUDA, compile the layer's steps with XLA's options
+                  for run-to-run identical programs (no autotuning, deterministic scatters and
+                  reductions; `dsv4_jax.step.overlap.DETERMINISTIC_OPTIONS`): the same bits in
+                  every process on the same GPU and software, at a cost in speed that
+                  docs/misuse.md gives. No effect off CUDA (XLA's CPU code is deterministic), nor
+                  on a step traced inside your own `jax.jit` (give that jit
+                  ``compiler_options=dsv4_jax.compiler_options(deterministic=True)``).
     """
 
     break_mode: str = "narrow"
@@ -94,6 +101,7 @@ class LayerOptions:
     sharding_rules: tuple | None = None
     numerics: str = "reference"
     overlap: str = "auto"
+    deterministic: bool = False
 
     def __post_init__(self):
         # Every option checked and normalised here, the one place: a ValueError/TypeError names it.
@@ -110,6 +118,8 @@ class LayerOptions:
             "numerics": numerics_mod.check_numerics(self.numerics),
             "overlap": overlap_mod.check_overlap(self.overlap),
         }
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"deterministic: expected True or False, got {self.deterministic!r}")
         query_block = self.query_block
         if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
             raise ValueError(f"query_block: expected a positive int, got {query_block!r}")

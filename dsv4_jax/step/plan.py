@@ -56,6 +56,9 @@ class StepPlan:
                    run a Pallas kernel (and how), which their XLA reference
     overlap:       the step's command buffers let independent stages run side by side
                    (`dsv4_jax.step.overlap`; resolved for the platform: never off CUDA)
+    deterministic: the step compiles with XLA's options for run-to-run identical programs
+                   (`overlap.DETERMINISTIC_OPTIONS`; resolved for the platform: only on CUDA,
+                   where XLA's code is otherwise free to differ from one compile to the next)
     """
 
     mode: str
@@ -64,6 +67,7 @@ class StepPlan:
     layout: Any = None
     kernels: KernelPlan = REFERENCE
     overlap: bool = False
+    deterministic: bool = False
 
     def indexer_select(self) -> Callable[..., Any]:
         """The `select_topk` that `pure_step.run_stages` calls for this plan."""
@@ -83,16 +87,18 @@ class StepPlan:
 
 
 def plan_step(layer_type: str, break_mode: str, break_on: str = "auto", kernels: str | KernelPlan = "auto",
-               platform: str | None = None, layout: Any = None, overlap: str = "auto") -> StepPlan:
-    """Resolve a layer's `break_mode`, `break_on`, `kernels` (a name or a `KernelPlan`) and
-    `overlap` for `platform` (default: jax's default backend) into its `StepPlan`; the one place
-    these choices are made. `layout`: the step's `sharding.MeshLayout` (its breaks then run per
-    batch shard), or None."""
+              platform: str | None = None, layout: Any = None, overlap: str = "auto",
+              deterministic: bool = False) -> StepPlan:
+    """Resolve a layer's `break_mode`, `break_on`, `kernels` (a name or a `KernelPlan`),
+    `overlap` and `deterministic` for `platform` (default: jax's default backend) into its
+    `StepPlan`; the one place these choices are made. `layout`: the step's
+    `sharding.MeshLayout` (its breaks then run per batch shard), or None."""
     if platform is None and layout is not None and isinstance(layout.mesh, jax.sharding.Mesh):
         platform = layout.mesh.devices.flat[0].platform  # the mesh's devices, not jax's default
     plan = _plan_step(layer_type, break_mode, break_on, kernels, platform)
-    on = overlap_mod.resolve(overlap, native.platform_name(platform or jax.default_backend()))
-    return dataclasses.replace(plan, layout=layout, overlap=on)
+    platform = native.platform_name(platform or jax.default_backend())
+    return dataclasses.replace(plan, layout=layout, overlap=overlap_mod.resolve(overlap, platform),
+                               deterministic=bool(deterministic) and platform == "cuda")
 
 
 def _plan_step(layer_type: str, break_mode: str, break_on: str, kernels: str | KernelPlan,

@@ -543,34 +543,40 @@ def sharded_attention_step(weights, cache, hidden_states, positions, spec):
 
 # ---------------------------------------------------------------------------- the compiled steps
 # Module-level, so that equal layers share compiled code (`StepSpec` static): (sharded, donate,
-# overlap) -> the jitted step, its compile options the overlap's (`dsv4_jax.step.overlap`). The one
-# registry: the layer's call, `compiled_steps` and the tools read it.
+# overlap, deterministic) -> the jitted step, its compile options the plan's
+# (`dsv4_jax.step.overlap.compiler_options`; deterministic ones only exist for CUDA, where the plan
+# alone sets them). The one registry: the layer's call, `compiled_steps` and the tools read it.
 _STEPS = {
-    (sharded, donate, overlap): jax.jit(sharded_attention_step if sharded else attention_step,
-                                        static_argnames=("spec",),
-                                        compiler_options=overlap_mod.compiler_options(overlap),
-                                        **({"donate_argnames": ("cache",)} if donate else {}))
+    (sharded, donate, overlap, deterministic): jax.jit(
+        sharded_attention_step if sharded else attention_step, static_argnames=("spec",),
+        compiler_options=overlap_mod.compiler_options(overlap, "cuda" if deterministic else None,
+                                                      deterministic=deterministic),
+        **({"donate_argnames": ("cache",)} if donate else {}))
     for sharded in (False, True) for donate in (False, True) for overlap in (False, True)
+    for deterministic in (False, True)
 }
 
 
-def step_function(donate: bool = False, sharded: bool = False, overlap: bool = False):
+def step_function(donate: bool = False, sharded: bool = False, overlap: bool = False, deterministic: bool = False):
     """The compiled step the layer runs: ``step(weights, cache, x, positions, spec=spec)``.
 
     `donate`: the version that donates the cache's buffers (``donate_cache=True``); `sharded`:
     `sharded_attention_step` (the layer runs it when its step has a mesh, ``spec.plan.layout``),
     else `attention_step`; `overlap`: compiled with concurrent command buffers (the layer's
-    ``spec.plan.overlap``, `dsv4_jax.step.overlap`). Calling it directly skips the layer's input checks
-    and host length mirror (the returned cache's length is the step's device array): the raw
-    step, for benchmarks and tools.
+    ``spec.plan.overlap``, `dsv4_jax.step.overlap`); `deterministic`: compiled with XLA's options
+    for run-to-run identical programs (``spec.plan.deterministic``, CUDA only). Calling it directly
+    skips the layer's input checks and host length mirror (the returned cache's length is the
+    step's device array): the raw step, for benchmarks and tools.
     """
-    return _STEPS[bool(sharded), bool(donate), bool(overlap)]
+    return _STEPS[bool(sharded), bool(donate), bool(overlap), bool(deterministic)]
 
 
 def step_for(spec: StepSpec, donate: bool = False):
-    """The compiled step that runs `spec`: `step_function` for its mesh (``spec.plan.layout``)
-    and its overlap (``spec.plan.overlap``); `donate` as there."""
-    return step_function(donate, sharded=spec.plan.layout is not None, overlap=spec.plan.overlap)
+    """The compiled step that runs `spec`: `step_function` for its mesh (``spec.plan.layout``),
+    its overlap (``spec.plan.overlap``) and determinism (``spec.plan.deterministic``); `donate`
+    as there."""
+    return step_function(donate, sharded=spec.plan.layout is not None, overlap=spec.plan.overlap,
+                         deterministic=spec.plan.deterministic)
 
 
 def compiled_steps() -> int:
