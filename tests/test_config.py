@@ -10,8 +10,9 @@ import json
 import jax
 import pytest
 
-from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Attention, DeepseekV4Config, YarnScaling
+from dsv4_jax import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from dsv4_jax.backend import QUERY_BLOCK
+from dsv4_jax.layer.options import LayerOptions
 from dsv4_jax.ops.indexer import native as indexer_native
 from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.ops.sparse_attention.reference import sparse_attention
@@ -99,9 +100,8 @@ def test_sizes_derived_from_the_config():
                   lambda: cfg.entry_slots(SLIDING, 8)):
         with pytest.raises(ValueError, match="layer_type"):
             wrong()
-    layer_init = inspect.signature(DeepseekV4Attention.__init__)
     defaults = {
-        "DeepseekV4Attention(query_block)": layer_init.parameters["query_block"].default,
+        "LayerOptions.query_block": LayerOptions.__dataclass_fields__["query_block"].default,
         "StepSpec.query_block": StepSpec.__dataclass_fields__["query_block"].default,
         "select_topk(block)": inspect.signature(indexer.select_topk).parameters["block"].default,
         "index_scores(block)": inspect.signature(indexer.index_scores).parameters["block"].default,

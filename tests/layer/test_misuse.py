@@ -160,12 +160,10 @@ def test_unknown_string_switch(tiny, csa, attr, expected, at_init, later, defaul
     with pytest.raises(ValueError, match=rf"{attr}: expected one of {expected}, got '{at_init}'"):
         dsv4_jax.DeepseekV4Attention(tiny.cfg, CSA_LAYER, rngs=nnx.Rngs(0), **{attr: at_init})
     cache = after_first_call(tiny, csa)
-    setattr(csa, attr, later)  # an attribute: changed later, it is checked at the next call
-    try:
-        with pytest.raises(ValueError, match=rf"{attr}: expected one of .*got '{later}'"):
-            csa(_h(tiny), _p(tiny), cache)
-    finally:
-        setattr(csa, attr, default)
+    options = csa.options
+    with pytest.raises(ValueError, match=rf"{attr}: expected one of .*got '{later}'"):
+        setattr(csa, attr, later)  # an attribute: a bad value is refused where it enters
+    assert csa.options is options and getattr(csa, attr) == default  # the layer keeps its options
     next_call_is_reference(tiny, csa, cache)
 
 
@@ -292,10 +290,10 @@ def test_nonfinite_check_modes(tiny, csa):
         for o, c in ((out, poisoned), (out2, poisoned2)):
             assert np.isnan(np.asarray(o)).all()
             assert np.isnan(np.asarray(c.window)).any()
-        csa.check_finite = "sometimes"
         expected = r"check_finite: expected one of \(None, True, 'host', False\), got 'sometimes'"
         with pytest.raises(ValueError, match=expected):
-            csa(_h(tiny), _p(tiny), cache)
+            csa.check_finite = "sometimes"  # refused at the assignment
+        assert csa.check_finite is False
     finally:
         csa.check_finite = previous
     # The default (None: the module-wide `validation.CHECK_FINITE`) scans device inputs too.

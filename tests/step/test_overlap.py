@@ -53,12 +53,11 @@ def test_overlap_rejects_other_values(value):
     with pytest.raises(ValueError, match=r"overlap: expected one of \('auto', 'on', 'off'\), got"):
         _layer(CSA, overlap=value)
     attn = _layer(CSA)
-    attn.overlap = value  # an attribute: checked when the next call builds its step
-    x, pos = _inputs(3)
-    cache = attn.init_cache(2, 16)
     with pytest.raises(ValueError, match="overlap: expected one of"):
-        attn(x, pos, cache)
-    out, _ = _layer(CSA)(x, pos, cache)  # the rejected call left the cache usable
+        attn.overlap = value  # an attribute: a bad value is refused where it enters
+    assert attn.overlap == "auto"
+    x, pos = _inputs(3)
+    out, _ = attn(x, pos, attn.init_cache(2, 16))  # the layer still runs with the options it had
     assert np.isfinite(np.asarray(out)).all()
 
 
