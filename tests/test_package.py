@@ -29,7 +29,7 @@ def test_the_old_names_of_the_step_and_the_cache_hand_on_their_contents():
         contiguous.AttentionCache, contiguous.advance_length, contiguous.reset_rows)
     assert (attention_step, straight_through) == (pure_step.attention_step, pure_step.straight_through)
     assert dsv4_jax.attention_step is pure_step.attention_step
-    with pytest.raises(AttributeError, match="dsv4_jax.step' has no attribute 'nothing'"):
+    with pytest.raises(AttributeError, match=r"dsv4_jax\.step' has no attribute 'nothing'"):
         dsv4_jax.step.nothing  # noqa: B018
 
 
