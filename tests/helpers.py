@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import shutil
 import subprocess
@@ -130,6 +131,31 @@ def golden_layer(g: Golden, layer: int, break_mode: str = "narrow", **kwargs) ->
     attn = new_layer(g.cfg, layer, 0, break_mode=break_mode, **kwargs)
     dsv4_jax.load_hf_attention_weights(attn, g.weights(layer))
     return attn
+
+
+@functools.cache
+def tiny_golden_layer(layer: int) -> dsv4_jax.DeepseekV4Attention:
+    """The tiny recording's (tiny_seed1.npz) layer `layer`, made once per process (property tests)."""
+    return golden_layer(load_golden("tiny_seed1.npz"), layer)
+
+
+def fail_on_the_host(monkeypatch, error: BaseException) -> dict:
+    """Make the indexer's selection raise `error` on its NumPy side (a host break) while the
+    returned switch's ``"on"`` is set; its in-graph (XLA) twin stays as it was. A step that is
+    to fail must be traced after this (e.g. with a `query_block` no other test compiled)."""
+    from dsv4_jax.ops.indexer import reference as indexer
+
+    switch = {"on": False}
+    original = indexer.select_topk
+
+    @functools.wraps(original)
+    def failing(queries, *args, **kwargs):
+        if switch["on"] and isinstance(queries, np.ndarray):  # the NumPy side, i.e. on the host
+            raise error
+        return original(queries, *args, **kwargs)
+
+    monkeypatch.setattr(indexer, "select_topk", failing)
+    return switch
 
 
 def random_layer(cfg, layer: int, seed: int = 0, break_mode: str = "narrow", **kwargs):

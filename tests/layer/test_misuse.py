@@ -8,7 +8,6 @@ recorded HF output, which shows that nothing of the rejected call reached the ca
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 
 import jax
@@ -16,14 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import golden_layer, load_golden
+from helpers import fail_on_the_host, golden_layer, load_golden
 from jax.experimental import checkify
 
 import dsv4_jax
 from dsv4_jax.cache.contiguous import init_attention_cache
 from dsv4_jax.config import CSA, HCA, SLIDING
 from dsv4_jax.io.hf_weights import export_hf_attention_weights
-from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.step import breaks
 
 CSA_LAYER = 1  # tiny_seed1: layer 0 sliding, 1 CSA, 2 HCA
@@ -332,16 +330,7 @@ def _run_with_deadline(fn, seconds=120):
 
 @pytest.mark.parametrize("break_mode", ["narrow", "wide"])
 def test_exception_inside_the_host_break(tiny, monkeypatch, break_mode):
-    fail = {"on": False}
-    original = indexer.select_topk
-
-    @functools.wraps(original)
-    def flaky(queries, *args, **kwargs):
-        if fail["on"] and isinstance(queries, np.ndarray):  # the NumPy side, i.e. on the host
-            raise FloatingPointError("simulated failure on the host")
-        return original(queries, *args, **kwargs)
-
-    monkeypatch.setattr(indexer, "select_topk", flaky)
+    fail = fail_on_the_host(monkeypatch, FloatingPointError("simulated failure on the host"))
     # query_block=97: a step no other test compiled, so it is traced with `flaky` in its break.
     attn = golden_layer(tiny, CSA_LAYER, break_mode=break_mode, break_on="host", query_block=97)
     cache = after_first_call(tiny, attn)

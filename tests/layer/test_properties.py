@@ -20,7 +20,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import golden_layer, load_golden
+from helpers import tiny_golden_layer as layer
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -31,19 +31,9 @@ CSA_LAYER = 1
 MAX_EXAMPLES = int(os.environ.get("DSV4_HYPOTHESIS_EXAMPLES", "25"))
 
 
-@functools.cache
-def golden():
-    return load_golden("tiny_seed1.npz")
-
-
-@functools.cache
-def layer(i):
-    return golden_layer(golden(), i)
-
-
 def inputs(batch, seed):
     rng = np.random.default_rng(seed)
-    return rng.normal(size=(batch, MAX_SEQ_LEN, golden().cfg.hidden_size)).astype(np.float32)
+    return rng.normal(size=(batch, MAX_SEQ_LEN, layer(0).config.hidden_size)).astype(np.float32)
 
 
 def positions(start, length, batch):

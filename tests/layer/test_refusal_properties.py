@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import golden_layer, load_golden
+from helpers import tiny_golden_layer as layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,19 +32,9 @@ BAD = ("nan", "overflow", "gap", "replay", "pad_first", "past_end", "batch")
 
 
 @functools.cache
-def golden():
-    return load_golden("tiny_seed1.npz")
-
-
-@functools.cache
-def layer(i):
-    return golden_layer(golden(), i)
-
-
-@functools.cache
 def inputs(seed):
     rng = np.random.default_rng(seed)
-    return rng.normal(size=(BATCH, MAX_SEQ_LEN, golden().cfg.hidden_size)).astype(np.float32)
+    return rng.normal(size=(BATCH, MAX_SEQ_LEN, layer(0).config.hidden_size)).astype(np.float32)
 
 
 @functools.cache

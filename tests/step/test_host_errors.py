@@ -8,14 +8,11 @@ refused before anything runs, with a message naming ``donate_cache``.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
-from helpers import random_layer
+from helpers import fail_on_the_host, random_layer
 
 import dsv4_jax
-from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.step import breaks
 
 CSA_LAYER = 1
@@ -33,16 +30,7 @@ def hidden(cfg, tokens=3, batch=1):
 # query_block: a step no other test compiled, so that it is traced with the failing selection.
 @pytest.mark.parametrize("kind, query_block", [(SystemExit, 89), (KeyboardInterrupt, 83), (MemoryError, 79)])
 def test_any_exception_in_a_host_break_is_a_host_break_error(cfg, monkeypatch, kind, query_block):
-    fail = {"on": False}
-    original = indexer.select_topk
-
-    @functools.wraps(original)
-    def failing(queries, *args, **kwargs):
-        if fail["on"] and isinstance(queries, np.ndarray):  # the NumPy side, i.e. on the host
-            raise kind("simulated")
-        return original(queries, *args, **kwargs)
-
-    monkeypatch.setattr(indexer, "select_topk", failing)
+    fail = fail_on_the_host(monkeypatch, kind("simulated"))
     attn = random_layer(cfg, CSA_LAYER, break_mode="narrow", break_on="host", query_block=query_block)
     cache = attn.init_cache(1, 32)
     _, cache = attn(hidden(cfg), None, cache)
