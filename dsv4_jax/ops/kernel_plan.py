@@ -1,7 +1,8 @@
 """Which implementation runs each kernel-backed stage: the `kernels=` switch, as a static plan.
 
 A layer's stages all have an XLA reference (the math, written once). Some also have kernels
-that measured faster on an H200:
+that measured faster on an H200 (named below by their flat module names; `dsv4_jax.MOVED_MODULES`
+gives each one's room, e.g. `compressor_kernel` is `ops.compress.pallas`):
 
 =====================  =====================================  ==================================
 stage                  kernel                                 reference
@@ -106,12 +107,12 @@ class KernelPlan:
                        sink and undoing the output's RoPE in one kernel (`split_merge_kernel`;
                        where that kernel splits a row's keys; "auto": the kernel for CSA calls
                        of at least 16 rows, where it measured faster, XLA's merge elsewhere:
-                       `split_merge_kernel.choose`)
+                       `KernelPlan.merge_for`)
     attention_backward: "auto" | "triton" | "wgmma" | "cuda" | "xla"  the gradient of the sparse attention
                        kernel where it runs. "triton": its backward kernel by index
                        (`sparse_attention_backward`, where that kernel takes the shapes; interpret
                        mode where the forward is). "wgmma": the Mosaic GPU kernels over key ranges
-                       where they take the call (`sparse_attention_backward_wgmma.takes`: bf16
+                       where they take the call (`backward_wgmma.supports`: bf16
                        windows and HCA's entries, heads a multiple of 64; not CSA's picks;
                        interpret mode where the forward is, on a jax whose interpret mode runs
                        them), else as "triton". "cuda": CSA's calls by the CUDA handler
@@ -197,7 +198,7 @@ class KernelPlan:
         native handlers are usable there; Pallas stages that only run on CUDA ("auto",
         "pallas") become "xla" elsewhere, and the scoring kernel ("auto", "pallas") "native".
         The result holds no "auto" selection (`select_keys` keeps its "auto": what it means
-        depends on the scoring, which `indexer_kernel.choose` picks per call)."""
+        depends on the scoring, which `scores_for` picks per call)."""
         select = self.select if self.select != "auto" else ("native" if native_available else "xla")
         stages = {}
         if platform != "cuda":
