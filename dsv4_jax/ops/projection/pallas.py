@@ -57,10 +57,15 @@ NUM_STAGES = 4
 
 def _kernel(x_ref, w_ref, out_ref, *, bk: int, steps: int):
     # x_ref [Mp, K] (this group's rows), w_ref [K, bn], out_ref [Mp, bn]
+    # float32 (interpret mode only) as the reference's products, not TF32 (a GPU's default); the
+    # Triton kernel takes bf16 / fp16 alone, whose dot this leaves as it was.
+    exact = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+
     def accumulate(i, acc):
         xk = x_ref[:, pl.ds(i * bk, bk)]
         wk = w_ref[pl.ds(i * bk, bk), :]
-        return acc + jax.lax.dot_general(xk, wk, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + jax.lax.dot_general(xk, wk, (((1,), (0,)), ((), ())), precision=exact,
+                                         preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, steps, accumulate, jnp.zeros(out_ref.shape, jnp.float32))
     out_ref[...] = acc.astype(out_ref.dtype)
