@@ -25,6 +25,7 @@ from dsv4_jax.io import export  # noqa: F401
 from dsv4_jax.io.checkpoint import load_attention_checkpoint
 from dsv4_jax.io.hf_weights import load_hf_attention_weights
 from dsv4_jax.layer.module import DeepseekV4Attention
+from dsv4_jax.layer.options import LayerOptions
 from dsv4_jax.native import native_info
 from dsv4_jax.ops.kernel_plan import KERNELS, KernelPlan
 from dsv4_jax.step import sharding  # noqa: F401
@@ -113,6 +114,7 @@ __all__ = [
     "DeepseekV4Config",
     "Intermediates",
     "KernelPlan",
+    "LayerOptions",
     "StepPlan",
     "YarnScaling",
     "attention_step",
