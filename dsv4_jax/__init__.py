@@ -20,6 +20,7 @@ import typing
 # export registers the pytrees for jax.export serialization; sharding: meshes, partition specs;
 # long_context: prompts of any length by chunks, cache sizes.
 from dsv4_jax.cache.contiguous import AttentionCache, CompressorCache, reset_rows
+from dsv4_jax.cache.paged import PageTable, reserve_pages
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from dsv4_jax.io import export  # noqa: F401
 from dsv4_jax.io.checkpoint import load_attention_checkpoint
@@ -115,6 +116,7 @@ __all__ = [
     "Intermediates",
     "KernelPlan",
     "LayerOptions",
+    "PageTable",
     "StepPlan",
     "YarnScaling",
     "attention_step",
@@ -123,5 +125,6 @@ __all__ = [
     "load_attention_checkpoint",
     "load_hf_attention_weights",
     "native_info",
+    "reserve_pages",
     "reset_rows",
 ]

@@ -15,6 +15,8 @@ window              [B, W, D]             rotated K=V of the last W tokens, slot
 compressor          CompressorCache       CSA/HCA layers: compressed KV entries + a ring of
                                           the last tokens' raw projections (slot p % R)
 indexer             CompressorCache       CSA layers: the indexer's own key compressor
+pages               PageTable or None     a paged cache's page table (`cache.paged`): the
+                                          entries are then pools of pages, not [B, T, Dc]
 ==================  ====================  ===============================================
 
 With ``kv_cache_dtype="fp8"`` the window and the entries (the main KV and the indexer's
@@ -43,6 +45,8 @@ import numpy as np
 from flax import struct
 
 from dsv4_jax.backend import Array, namespace
+from dsv4_jax.cache import paged
+from dsv4_jax.cache.paged import PageTable
 from dsv4_jax.cache.quantized import check_kv_cache_dtype, quantized_zeros, write_rows
 from dsv4_jax.config import CSA, HCA, SLIDING
 
@@ -77,6 +81,7 @@ class AttentionCache:
     window: Array
     compressor: CompressorCache | None = None
     indexer: CompressorCache | None = None
+    pages: PageTable | None = None
     layer_idx: int = struct.field(pytree_node=False, default=-1)
     layer_type: str = struct.field(pytree_node=False, default=SLIDING)
     max_seq_len: int = struct.field(pytree_node=False, default=0)
@@ -153,7 +158,9 @@ def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
           check can run: out-of-range indices are ignored, a mask must be [B] (a shape check).
 
     Jittable. The data arrays are updated with one scatter each (a copy unless the cache is
-    donated, as in a jitted serving step; XLA updates donated buffers in place). An eager
+    donated, as in a jitted serving step; XLA updates donated buffers in place). A paged
+    cache's rows give their pages back to the pool (`paged.release`); pass a stack's caches
+    one by one (the same rows: their tables stay one). An eager
     cache keeps its host length mirror (a NumPy array, see the module docstring); a traced or
     device length stays on the device.
     """
@@ -165,7 +172,15 @@ def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
     # Concrete rows are checked and become indices (also under a jit whose cache is traced);
     # traced rows become a [B] mask, which cannot be checked.
     idx = _traced_rows(rows, batch) if is_tracer(rows) else _host_rows(rows, batch)
-    data = jax.tree.map(lambda a: _zero_rows(a, idx), cache.replace(length=None))
+    # A paged cache's pools are not per row: the rows give their pages back instead.
+    pools = {part: getattr(cache, part).entries for part in ("compressor", "indexer")
+             if cache.pages is not None and getattr(cache, part) is not None}
+    per_row = cache.replace(length=None, pages=None,
+                            **{part: getattr(cache, part).replace(entries=None) for part in pools})
+    data = jax.tree.map(lambda a: _zero_rows(a, idx), per_row)
+    if cache.pages is not None:
+        data = data.replace(pages=paged.release(cache.pages, idx),
+                            **{part: getattr(data, part).replace(entries=pool) for part, pool in pools.items()})
     if isinstance(cache.length, np.ndarray) and isinstance(idx, np.ndarray):
         length = cache.length.copy()
         length[idx] = 0
@@ -214,13 +229,15 @@ def _zero_rows(a: Array, rows) -> Array:
 
 
 def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,
-                          dtype, entry_format=None) -> CompressorCache:
+                          dtype, entry_format=None, pool: tuple[int, int] | None = None) -> CompressorCache:
     """An empty compressor state: `entries` slots of `dim`, a ring of `ring_slots(ratio, overlap)`
     tokens' kv and gate projections, each `width` (= n*dim) wide. `entry_format`: None (entries
-    in `dtype`), or ``(grid, rope_dim)`` for FP8 entries (`quantized_cache.quantized_zeros`)."""
+    in `dtype`), or ``(grid, rope_dim)`` for FP8 entries (`quantized_cache.quantized_zeros`).
+    `pool`: (pages, entries a page) for a paged cache's entries [P, E, dim] instead of [B, T, dim]."""
+    rows, slots = pool if pool is not None else (batch, entries)
     return CompressorCache(
-        entries=(jnp.zeros((batch, entries, dim), dtype) if entry_format is None
-                 else quantized_zeros(batch, entries, dim, entry_format[1], dtype, entry_format[0])),
+        entries=(jnp.zeros((rows, slots, dim), dtype) if entry_format is None
+                 else quantized_zeros(rows, slots, dim, entry_format[1], dtype, entry_format[0])),
         buffer=jnp.zeros((batch, ring_slots(ratio, overlap), 2 * width), dtype),
     )
 
@@ -264,13 +281,18 @@ def insert_ring(ring: Array, values: Array, length: Array, frozen: Array | None 
 
 
 def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int, dtype, *,
-                         allow_long_context: bool = False, kv_cache_dtype: str = "auto") -> AttentionCache:
+                         allow_long_context: bool = False, kv_cache_dtype: str = "auto",
+                         page_size: int | None = None, num_pages: int | None = None) -> AttentionCache:
     """An empty cache for layer `layer_idx` of `cfg` (all zeros, length 0).
 
     `max_seq_len` past ``cfg.max_position_embeddings`` is refused (`check_position_limit`)
     unless `allow_long_context`. `kv_cache_dtype`: "auto" (rows in `dtype`) or "fp8" (the
     window and the entries as `quantized_cache.QuantizedRows`: main KV on the FP8 grid with
     `dtype` RoPE channels, indexer keys on the FP4 grid; for ``numerics="official"`` layers).
+    `page_size` (tokens, a multiple of the compress ratios) and `num_pages`: a paged cache
+    (`cache.paged`: the entries in a pool of `num_pages` pages, default as many as every row at
+    `max_seq_len` needs; no page held yet). A sliding layer has nothing that grows: its cache
+    is contiguous whatever the paging.
     """
     fp8 = check_kv_cache_dtype(kv_cache_dtype) == "fp8"
     layer_type = cfg.layer_type(layer_idx)
@@ -282,25 +304,36 @@ def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int,
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype: expected a floating dtype for the cache, got {dtype}")
-    compressor = indexer = None
+    compressor = indexer = pages = None
     if layer_type in (CSA, HCA):
         ratio = cfg.compress_rate(layer_type)
         entry_slots = cfg.entry_slots(layer_type, max_seq_len)
+        paging = paged.check_paging(page_size, num_pages, (cfg.csa_compress_rate, cfg.hca_compress_rate),
+                                    batch_size, max_seq_len)
+        pool = None
+        if paging is not None:
+            pages = paged.empty_table(batch_size, max_seq_len, *paging)
+            pool = (paging[1], paging[0] // ratio)
         compressor = init_compressor_cache(
             batch_size, entry_slots, ratio, cfg.head_dim, cfg.compressor_width(layer_type),
             overlap=layer_type == CSA, dtype=dtype, entry_format=("fp8", cfg.qk_rope_head_dim) if fp8 else None,
+            pool=pool,
         )
         if layer_type == CSA:
             indexer = init_compressor_cache(
                 batch_size, entry_slots, ratio, cfg.index_head_dim, cfg.compressor_width(CSA, indexer=True),
-                overlap=True, dtype=dtype, entry_format=("fp4", 0) if fp8 else None,
+                overlap=True, dtype=dtype, entry_format=("fp4", 0) if fp8 else None, pool=pool,
             )
+    else:
+        paged.check_paging(page_size, num_pages, (cfg.csa_compress_rate, cfg.hca_compress_rate), batch_size,
+                           max_seq_len)
     return AttentionCache(
         length=np.zeros((batch_size,), np.int32),
         window=(quantized_zeros(batch_size, cfg.sliding_window, cfg.head_dim, cfg.qk_rope_head_dim, dtype, "fp8")
                 if fp8 else jnp.zeros((batch_size, cfg.sliding_window, cfg.head_dim), dtype)),
         compressor=compressor,
         indexer=indexer,
+        pages=pages,
         layer_idx=layer_idx,
         layer_type=layer_type,
         max_seq_len=max_seq_len,

@@ -47,6 +47,7 @@ from flax import struct
 
 from dsv4_jax import numerics
 from dsv4_jax.backend import Array, namespace, scatter_rows
+from dsv4_jax.cache.paged import PagedRows
 from dsv4_jax.config import check_choice
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -149,12 +150,17 @@ def quantized_zeros(batch: int, rows: int, dim: int, rope_dim: int, dtype, grid:
 
 def read(rows) -> Array:
     """The array of cache rows a reader attends to or scores: `rows` dequantized where they are
-    `QuantizedRows`, else `rows` itself."""
+    `QuantizedRows`, gathered from their pages where they are `paged.PagedRows`, else `rows`
+    itself."""
+    if isinstance(rows, PagedRows):
+        rows = rows.view()
     return rows.dequantize() if isinstance(rows, QuantizedRows) else rows
 
 
 def read_picked(entries, picks: Array) -> tuple[Array, Array]:
     """(rows, picks) for sparse attention over a CSA layer's picks of `entries`.
+    Paged entries (`paged.PagedRows`, plain or FP8) are read the same way: the picked rows
+    gathered from their pages.
 
     entries [B, T, D] or `QuantizedRows`; picks [B, S, K] int32 (-1 = nothing). Where the
     entries are FP8 and the picks are fewer rows than the cache holds (``S * K < T``: a decode
@@ -163,23 +169,28 @@ def read_picked(entries, picks: Array) -> tuple[Array, Array]:
     same keys in the same order, so every attention path gives the same result as over the
     whole dequantized cache. Otherwise (`read`) the entries as they are and the same picks.
     """
-    if not isinstance(entries, QuantizedRows):
+    paged = isinstance(entries, PagedRows)
+    if not (paged or isinstance(entries, QuantizedRows)):
         return entries, picks
     batch, seq, k = picks.shape
     if seq * k >= entries.shape[1]:
-        return entries.dequantize(), picks
-    at = jnp.maximum(picks, 0).reshape(batch, seq * k, 1)
-    leaves = (entries.values, entries.scales, entries.rope)
-    gathered = QuantizedRows(*(jnp.take_along_axis(a, at, axis=1) for a in leaves), block=entries.block,
-                             grid=entries.grid)
+        return read(entries), picks
+    at = jnp.maximum(picks, 0).reshape(batch, seq * k)
+    if paged:  # the picked rows straight from their pages
+        gathered = entries.take(at)
+    else:
+        gathered = jax.tree.map(lambda a: jnp.take_along_axis(a, at[..., None], axis=1), entries)
     slots = jnp.arange(seq * k, dtype=jnp.int32).reshape(1, seq, k)
-    return gathered.dequantize(), jnp.where(picks >= 0, slots, -1).astype(picks.dtype)
+    return read(gathered), jnp.where(picks >= 0, slots, -1).astype(picks.dtype)
 
 
 def write_rows(target, index: Array, values: Array):
     """`backend.scatter_rows` for a cache field of either form: ``target[b, index[b, j]] =
     values[b, j]``, out-of-range indices dropped; `values` are quantized first where the target
     is `QuantizedRows` (one scatter per stored array)."""
+    if isinstance(target, PagedRows):  # into the rows' pages (encoded first for an FP8 pool)
+        pool = target.pool
+        return target.scatter(index, pool.encode(values) if isinstance(pool, QuantizedRows) else values)
     if not isinstance(target, QuantizedRows):
         return scatter_rows(target, index, values)
     encoded = target.encode(values)

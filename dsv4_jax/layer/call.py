@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.backend import to_host_memory
+from dsv4_jax.cache import paged
 from dsv4_jax.cache.contiguous import AttentionCache, advance_length
 from dsv4_jax.layer import validation
 from dsv4_jax.step import breaks, finite_flag, sharding
@@ -94,6 +95,36 @@ def _with(cache: AttentionCache, layer_idx: int, length) -> AttentionCache:
     new = object.__new__(AttentionCache)
     object.__setattr__(new, "__dict__", fields)
     return new
+
+
+# ---------------------------------------------------------------------------- the pages
+# The host page tables a call checked: id(table) -> weak reference (a table is checked once).
+_CHECKED_TABLES: dict[int, weakref.ref] = {}
+
+
+def _with_pages_for(cache: AttentionCache, after: list) -> AttentionCache:
+    """A paged cache holding the pages for `after` tokens a row (`paged.reserve_to`: a
+    `ValueError` naming the pages needed and free if the pool is short; the caller's cache
+    unchanged), its host page table checked first (`paged.check_pages`) unless this module
+    made it or checked it before."""
+    table = cache.pages.table
+    if isinstance(table, np.ndarray) and not _checked(table):
+        paged.check_pages(cache.pages)
+        _remember_checked(table)
+    reserved = paged.reserve_to(cache, after)
+    if reserved.pages.table is not table and isinstance(reserved.pages.table, np.ndarray):
+        _remember_checked(reserved.pages.table)  # made by `reserve_to` from a checked one
+    return reserved
+
+
+def _checked(table: np.ndarray) -> bool:
+    hit = _CHECKED_TABLES.get(id(table))
+    return hit is not None and hit() is table
+
+
+def _remember_checked(table: np.ndarray) -> None:
+    key = id(table)
+    _CHECKED_TABLES[key] = weakref.ref(table, lambda _: _CHECKED_TABLES.pop(key, None))
 
 
 # ---------------------------------------------------------------------------- the memo
@@ -243,6 +274,8 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
     that is the verdict's way, else `finite_guard` first and the step on its output; then the
     finite check's error, the results dropped, if the verdict says so."""
     spec, step = run
+    if cache.pages is not None:  # a paged cache: the pages this call's tokens need, taken now
+        cache = _with_pages_for(cache, after)
     # The layer index is checked and is no part of the computation: leave it out of the
     # compiled step's identity, so that layers of one type share one program.
     # The step gets the device copy of the host length mirror where this layer made one
@@ -277,6 +310,8 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
     device_length = new_cache.length
     _remember_device_length(mirror, device_length, after)
     new_cache = _with(new_cache, cache.layer_idx, mirror)
+    if cache.pages is not None:  # the step leaves the table as it was: keep the host one
+        new_cache = new_cache.replace(pages=cache.pages)
     if memo is not None:
         structure = _cache_key(new_cache)
         memo.last = None if structure is None else (weakref.ref(new_cache), structure, after, device_length)

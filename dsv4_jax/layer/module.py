@@ -273,7 +273,8 @@ class DeepseekV4Attention(nnx.Module):
 
     # ------------------------------------------------------------------ public API
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None, *,
-                   allow_long_context: bool = False, kv_cache_dtype: str = "auto") -> AttentionCache:
+                   allow_long_context: bool = False, kv_cache_dtype: str = "auto",
+                   page_size: int | None = None, num_pages: int | None = None) -> AttentionCache:
         """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
         dtype: the cache dtype; defaults to the layer's compute dtype, which is `dtype`, else
@@ -289,6 +290,13 @@ class DeepseekV4Attention(nnx.Module):
         the FP4 grid, in about half the bytes; `dsv4_jax.cache.quantized`). Lossless for a layer
         with ``numerics="official"`` (same picks and outputs as its bf16 cache, bit for bit),
         which it requires: with "reference" numerics a `ValueError` names ``kv_cache_dtype``.
+        page_size, num_pages: a paged cache (`dsv4_jax.cache.paged`): the compressed entries in a
+        pool of `num_pages` pages of `page_size` tokens (a multiple of the compress ratios; 256
+        fits V4's), each row holding only the pages its tokens need; the window and the
+        compressors' rings stay per row. The layer's calls take pages as rows grow,
+        `reset_rows` gives them back; under your own jit, `dsv4_jax.reserve_pages` first. Give
+        every layer of a stack the same batch, max_seq_len, page_size and num_pages: their
+        caches then hold one page table.
         """
         dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         dtype = dtype or self.compute_dtype
@@ -296,8 +304,12 @@ class DeepseekV4Attention(nnx.Module):
             raise ValueError(
                 "kv_cache_dtype: 'fp8' stores the keys on the official numerics' FP8/FP4 grid; expected a layer "
                 f"with numerics='official', got numerics={self.numerics!r}")
+        if page_size is not None and self.mesh is not None:
+            raise ValueError("page_size: a paged cache is not sharded over a mesh (yet); expected page_size=None "
+                             f"for a layer with a mesh, got page_size={page_size!r}")
         cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
-                                     allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype)
+                                     allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype,
+                                     page_size=page_size, num_pages=num_pages)
         cache = cache.replace(numerics=self.numerics)  # its rows will hold this numerics' rounding
         # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)

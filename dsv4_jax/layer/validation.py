@@ -81,11 +81,19 @@ def cache_structure(cache: Any) -> tuple | None:
         window, length = cache.window, cache.length
         key = (type(length), length.shape, length.dtype, cache.layer_idx, cache.layer_type, cache.max_seq_len,
                cache.numerics, type(window), window.shape, window.dtype, _state_key(cache.compressor),
-               _state_key(cache.indexer))
+               _state_key(cache.indexer), _pages_key(cache.pages))
         hash(key)
     except Exception:  # not arrays where the cache holds them: the checks word it
         return None
     return key
+
+
+def _pages_key(pages) -> tuple | None:
+    """A page table's page size and its arrays' classes, shapes and dtypes (None: contiguous)."""
+    if pages is None:
+        return None
+    return (pages.page_size, type(pages.table), pages.table.shape, pages.table.dtype, type(pages.refs),
+            pages.refs.shape, pages.refs.dtype)
 
 
 def _state_key(state) -> tuple | None:
@@ -153,8 +161,10 @@ def check_cache(attn, cache: Any) -> None:
     dtype = cache.dtype
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise TypeError(f"cache.window: expected a floating dtype, got {dtype}")
+    pages = cache.pages
+    paging = {} if pages is None else {"page_size": pages.page_size, "num_pages": int(np.shape(pages.refs)[0])}
     expected = expected_cache(attn.config, attn.layer_idx, batch, int(max_seq_len), jnp.dtype(dtype),
-                              "fp8" if is_quantized(cache) else "auto")
+                              "fp8" if is_quantized(cache) else "auto", **paging)
     got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(cache.replace(length=None))
     want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(
         expected.replace(length=None, numerics=cache.numerics))  # the numerics: checked above
@@ -178,11 +188,13 @@ def _dims(shape) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def expected_cache(cfg, layer_idx: int, batch: int, max_seq_len: int, dtype, kv_cache_dtype: str) -> AttentionCache:
+def expected_cache(cfg, layer_idx: int, batch: int, max_seq_len: int, dtype, kv_cache_dtype: str,
+                   page_size: int | None = None, num_pages: int | None = None) -> AttentionCache:
     """The shapes and dtypes (`jax.ShapeDtypeStruct` leaves) of the cache that `init_cache` makes
     for layer `layer_idx` of `cfg`: the one complete spec a cache is checked against."""
     return jax.eval_shape(lambda: init_attention_cache(cfg, layer_idx, batch, max_seq_len, dtype,
-                                                       allow_long_context=True, kv_cache_dtype=kv_cache_dtype))
+                                                       allow_long_context=True, kv_cache_dtype=kv_cache_dtype,
+                                                       page_size=page_size, num_pages=num_pages))
 
 
 def _deleted(value: Any) -> bool:

@@ -36,6 +36,7 @@ from flax import struct
 
 from dsv4_jax import numerics
 from dsv4_jax.backend import QUERY_BLOCK, Array, einsum
+from dsv4_jax.cache import paged
 from dsv4_jax.cache.contiguous import (
     AttentionCache,
     CompressorCache,
@@ -274,7 +275,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     # nothing (scatter indices dropped) and that the indexer scores against no entry (visible 0).
     count = real_tokens(positions)
     # A row that would run past max_seq_len (possible only under a user's jit) writes nothing.
-    frozen = overflows(length, count, cache.max_seq_len)
+    frozen = overflows(length, count, paged.row_limit(cache))
     compress_freqs, compress_scale = rotation_of(cfg, "compress")
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
                   frozen=frozen, count=count, kernel=spec.plan.kernels.compress_for())
@@ -323,7 +324,10 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     with jax.named_scope("indexer_select"):
         # The keys as the cache stores them: the native selection reads an FP8 cache's packed
         # keys itself, the other selections dequantize them (`quantized_cache.read`).
-        selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
+        keys = index_state.entries
+        if isinstance(keys, paged.PagedRows):  # the selections read a row's keys in order
+            keys = keys.view()
+        selected = select(queries, inputs.indexer_weights, keys, visible,
                           top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 
@@ -398,7 +402,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         x, flag = finite_flag.flagged(x)
     length = jnp.asarray(cache.length, jnp.int32)
     positions = next_positions(length, x.shape[1]) if positions is None else positions.astype(jnp.int32)
-    cache = cache.replace(length=length)
+    cache = paged.bind(cache.replace(length=length))  # a paged cache's entries read through its pages
     if spec.checks:
         check_in_graph(length, positions, cache.max_seq_len)
 
@@ -439,7 +443,7 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         out = output_projection(attended.o, weights, spec)
     count = real_tokens(positions)  # [B] real tokens per row (a ragged call pads with -1)
     real = positions >= 0  # [B, S]
-    overflow = overflows(length, count, cache.max_seq_len)  # [B]; such rows were written nothing
+    overflow = overflows(length, count, paged.row_limit(cache))  # [B]; such rows were written nothing
     # Padded slots output zeros: they see no key, so their attention output is 0 already; the
     # select makes it the contract rather than a consequence (e.g. of a finite padded input).
     # An overflowing row's real slots output NaN.
@@ -449,8 +453,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         out = finite_flag.joined(out, flag)
 
     new_length = jnp.where(overflow, length, advance_length(length, count))
-    new_cache = cache.replace(length=new_length, window=stages.window,
-                              compressor=stages.compressor, indexer=stages.indexer)
+    new_cache = paged.unbind(cache.replace(length=new_length, window=stages.window,
+                                           compressor=stages.compressor, indexer=stages.indexer))
     intermediates = None
     if spec.return_intermediates:
         def padded_zero(a):  # padded slots' queries, keys and masses are 0 (nothing was attended)

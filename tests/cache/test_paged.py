@@ -1,0 +1,224 @@
+"""Paged caches (`dsv4_jax.cache.paged`): the context-long rows in pages of a pool.
+
+The contract: a paged cache gives the contiguous cache's outputs and picks bit for bit (prefill
+chunks, decode steps, several tokens a step, ragged rows, reset rows, every break mode, bf16 and
+FP8 rows, the layer's calls and the user's own jit); a row holds only the pages its tokens need,
+takes them as it grows and gives them back on `reset_rows`; nothing takes pages under a jit (a
+step past a row's pages leaves it unchanged, NaN); a pool too small, a page table pointing
+outside the pool or a page held twice without a fork is refused, the cache unchanged.
+"""
+
+from __future__ import annotations
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dsv4_jax
+from dsv4_jax import DeepseekV4Config
+from dsv4_jax.cache import paged
+from dsv4_jax.cache.contiguous import reset_rows
+from dsv4_jax.cache.quantized import read
+
+CFG = DeepseekV4Config.tiny()  # compress ratios 4 (CSA) and 8 (HCA): pages of 16 tokens hold 4 and 2 entries
+MAX_SEQ, PAGE = 64, 16
+SCHEDULE = (13, 13, 13, 1, 1, 1, 3)  # prefill chunks mid-window, decode steps, a 3-token verification step
+LAYERS = pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
+
+
+def _calls(attn, cache, x, schedule=SCHEDULE, ragged: bool = False):
+    """The layer's calls over `x` in chunks of `schedule`: [(output, picks, cache)] after each.
+    `ragged`: row 1 pads the last 2 slots of every chunk longer than 2 (position -1)."""
+    runs, start = [], np.asarray(cache.length).astype(np.int64)  # each row continues its cache
+    for n in schedule:
+        pos = (start[:, None] + np.arange(n)).astype(np.int32)
+        if ragged and n > 2:
+            pos[1, -2:] = -1
+        chunk = np.stack([x[b, start[b]:start[b] + n] for b in range(x.shape[0])])
+        out, cache, inter = attn(jnp.asarray(chunk), jnp.asarray(pos), cache, return_intermediates=True)
+        runs.append((np.asarray(out), None if inter.topk is None else np.asarray(inter.topk), cache))
+        start += (pos >= 0).sum(axis=1)
+    return runs
+
+
+def _inputs(batch: int = 2, tokens: int = 48, seed: int = 4):
+    return np.random.default_rng(seed).normal(size=(batch, tokens, CFG.hidden_size)).astype(np.float32)
+
+
+def _assert_same_cache(paged_cache, contiguous, what: str, exact: bool = True):
+    """Every row of the paged cache reads as the contiguous one: entries through the pages,
+    the per-row fields as they are (`exact`: bit for bit, else to float32 rounding)."""
+    def same(got, want, where):
+        got, want = np.asarray(got), np.asarray(want)
+        if exact:
+            np.testing.assert_array_equal(got, want, err_msg=f"{what} {where}")
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{what} {where}")
+
+    bound = paged.bind(paged_cache)
+    for part in ("compressor", "indexer"):
+        if getattr(contiguous, part) is not None:
+            same(read(getattr(bound, part).entries), read(getattr(contiguous, part).entries), f"{part}.entries")
+            same(getattr(bound, part).buffer, getattr(contiguous, part).buffer, f"{part}.buffer")
+    same(read(paged_cache.window), read(contiguous.window), "window")
+    np.testing.assert_array_equal(np.asarray(paged_cache.length), np.asarray(contiguous.length))
+
+
+def _assert_same_runs(got, want, what: str, exact: bool = True):
+    for i, ((out_g, picks_g, cache_g), (out_w, picks_w, cache_w)) in enumerate(zip(got, want)):
+        if exact:
+            np.testing.assert_array_equal(out_g, out_w, err_msg=f"{what} call {i}")
+        else:
+            np.testing.assert_allclose(out_g, out_w, rtol=1e-6, atol=1e-6, err_msg=f"{what} call {i}")
+        if picks_w is not None:
+            np.testing.assert_array_equal(picks_g, picks_w, err_msg=f"{what} call {i} picks")
+        _assert_same_cache(cache_g, cache_w, f"{what} call {i}", exact)
+
+
+# ---------------------------------------------------------------------------- paged = contiguous
+@LAYERS
+def test_a_paged_cache_gives_the_contiguous_caches_outputs_and_picks_bit_for_bit(layer):
+    attn = helpers.random_layer(CFG, layer, seed=3)
+    x = _inputs()
+    want = _calls(attn, attn.init_cache(2, MAX_SEQ), x)
+    got = _calls(attn, attn.init_cache(2, MAX_SEQ, page_size=PAGE, num_pages=9), x)
+    _assert_same_runs(got, want, "paged")
+    pages = got[-1][2].pages  # 45 tokens a row: 3 pages of 16 each, taken as the rows grew
+    assert (pages.table[:, :3] >= 0).all() and (pages.table[:, 3:] == -1).all()
+    assert pages.free == 9 - 6 and sorted(pages.table[:, :3].ravel().tolist()) == list(range(6))
+
+
+def test_a_paged_cache_agrees_in_every_break_mode_and_for_ragged_rows():
+    """The host breaks run the pages' reads and writes on NumPy copies: the same picks, the
+    same values to float32 rounding (as the modes agree with a contiguous cache)."""
+    x = _inputs()
+    schedule = (30, 3)
+    base = helpers.random_layer(CFG, 1, seed=3, **helpers.EXECUTIONS["none"])
+    want = _calls(base, base.init_cache(2, MAX_SEQ), x, schedule, ragged=True)
+    for mode in helpers.EXECUTIONS:
+        if not helpers.runnable(mode):
+            continue
+        attn = helpers.random_layer(CFG, 1, seed=3, **helpers.EXECUTIONS[mode])
+        got = _calls(attn, attn.init_cache(2, MAX_SEQ, page_size=PAGE), x, schedule, ragged=True)
+        _assert_same_runs(got, want, mode, exact=mode.startswith("none"))
+    # Row 1 pads the last 2 slots of each call: 4 tokens fewer, one page fewer.
+    assert got[-1][2].pages.capacity().tolist() == [48, 32] and got[-1][2].length.tolist() == [33, 29]
+
+
+@LAYERS
+def test_a_paged_fp8_cache_gives_the_contiguous_fp8_caches_values(layer):
+    attn = helpers.random_layer(CFG, layer, seed=3, numerics="official")
+    x = _inputs()
+    want = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype="fp8"), x, schedule=(13, 13, 1, 3))
+    got = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype="fp8", page_size=PAGE), x, schedule=(13, 13, 1, 3))
+    _assert_same_runs(got, want, "paged fp8")
+    assert isinstance(got[-1][2].compressor.entries, dsv4_jax.cache.quantized.QuantizedRows)
+
+
+def test_a_sliding_layers_cache_has_nothing_to_page():
+    attn = helpers.random_layer(CFG, 0, seed=3)
+    cache = attn.init_cache(2, MAX_SEQ, page_size=PAGE, num_pages=4)
+    assert cache.pages is None and cache.compressor is None
+    assert dsv4_jax.reserve_pages(cache, 8) is cache
+
+
+# ---------------------------------------------------------------------------- rows come and go
+def test_reset_rows_give_pages_back_and_a_new_request_reuses_them():
+    """Three requests in two rows: row 0's pages go back to the pool when it finishes and the
+    third request runs on them; the outputs are the contiguous cache's, no page leaks."""
+    attn = helpers.random_layer(CFG, 1, seed=3)
+    x, y = _inputs(tokens=64), _inputs(tokens=64, seed=8)
+    caches = {"contiguous": attn.init_cache(2, MAX_SEQ), "paged": attn.init_cache(2, MAX_SEQ, page_size=PAGE,
+                                                                                   num_pages=7)}
+    outs = {}
+    for kind, cache in caches.items():
+        first = _calls(attn, cache, x, schedule=(40, 1))
+        cache = reset_rows(first[-1][2], [0])
+        if kind == "paged":
+            assert cache.pages.table[0].tolist() == [-1] * 4 and cache.pages.free == 7 - 3
+        second = _calls(attn, cache, np.stack([y[0], x[1]]), schedule=(20, 1))  # row 1 goes on at 41
+        outs[kind] = first + second
+    _assert_same_runs(outs["paged"], outs["contiguous"], "reuse")
+    final = outs["paged"][-1][2]
+    paged.check_pages(final.pages)
+    assert reset_rows(final, [0, 1]).pages.free == 7  # every page back
+
+
+def test_under_a_users_jit_nothing_takes_pages_and_a_row_past_its_pages_is_frozen():
+    attn = helpers.random_layer(CFG, 2, seed=3)
+    x = jnp.asarray(_inputs(tokens=40))
+
+    @nnx.jit
+    def step(layer, cache, hidden):
+        return layer(hidden, None, cache)
+
+    contiguous = attn.init_cache(2, MAX_SEQ)
+    cache = attn.init_cache(2, MAX_SEQ, page_size=PAGE)
+    cache = dsv4_jax.reserve_pages(cache, np.array([32, 16]))  # row 1 has room for 16 tokens only
+    assert cache.pages.capacity().tolist() == [32, 16]
+    want, contiguous = step(attn, contiguous, x[:, :24])
+    got, cache = step(attn, cache, x[:, :24])
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert np.isnan(np.asarray(got[1])).all() and np.asarray(cache.length).tolist() == [24, 0]
+    # Row 1 unchanged: reset it, reserve again, and the call runs.
+    cache = dsv4_jax.reserve_pages(reset_rows(cache, [1]), 24)
+    got, cache = step(attn, cache, x[:, :24])
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_a_stacks_caches_keep_one_page_table():
+    layers = [helpers.random_layer(CFG, i, seed=3) for i in range(3)]
+    stack = [attn.init_cache(2, MAX_SEQ, page_size=PAGE, num_pages=6) for attn in layers]
+    stack = dsv4_jax.reserve_pages(stack, np.array([20, 5]))
+    assert stack[0].pages is None and stack[1].pages is stack[2].pages
+    assert stack[1].pages.capacity().tolist() == [32, 16]
+    apart = [stack[0], stack[1], dsv4_jax.reserve_pages(stack[2], 40)]
+    with pytest.raises(ValueError, match="caches: expected the paged caches of one stack to hold one page table"):
+        dsv4_jax.reserve_pages(apart, 1)
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_a_pool_too_small_names_the_pages_needed_and_free_and_changes_nothing():
+    attn = helpers.random_layer(CFG, 1, seed=3)
+    x = _inputs()
+    cache = attn.init_cache(2, MAX_SEQ, page_size=PAGE, num_pages=3)
+    first = _calls(attn, cache, x, schedule=(13,))[-1][2]  # one page each: 1 free
+    with pytest.raises(ValueError, match=r"pages: expected a pool with 2 free pages of 16 tokens .* got 1 free of 3"):
+        attn(jnp.asarray(x[:, 13:26]), None, first)
+    assert first.pages.free == 1 and np.asarray(first.length).tolist() == [13, 13]
+    out, _ = attn(jnp.asarray(x[:, 13:16]), None, first)  # 3 more tokens fit the pages held
+    want = _calls(attn, attn.init_cache(2, MAX_SEQ), x, schedule=(13, 3))[-1][0]
+    np.testing.assert_array_equal(np.asarray(out), want)
+
+
+@pytest.mark.parametrize("crafted, match", [
+    (lambda t, r: (np.where(t == 0, 99, t), r), r"cache.pages.table: expected pool pages in \[0, 9\) or -1"),
+    (lambda t, r: (np.where(t == 2, 0, t), r), r"cache.pages.refs: expected each page's count"),
+    (lambda t, r: (t[:, ::-1].copy(), r), "expected each row's pages first"),
+], ids=["outside-the-pool", "held-twice", "hole"])
+def test_a_crafted_page_table_is_refused(crafted, match):
+    attn = helpers.random_layer(CFG, 1, seed=3)
+    x = _inputs()
+    cache = _calls(attn, attn.init_cache(2, MAX_SEQ, page_size=PAGE, num_pages=9), x, schedule=(20,))[-1][2]
+    table, refs = crafted(np.asarray(cache.pages.table), np.asarray(cache.pages.refs))
+    bad = cache.replace(pages=cache.pages.replace(table=table, refs=refs))
+    with pytest.raises(ValueError, match=match):
+        attn(jnp.asarray(x[:, 20:21]), None, bad)
+
+
+def test_bad_paging_arguments_are_refused():
+    attn = helpers.random_layer(CFG, 1, seed=3)
+    with pytest.raises(ValueError, match=r"page_size: expected a multiple of the layer's compress ratios \[4, 8\]"):
+        attn.init_cache(2, MAX_SEQ, page_size=12)
+    with pytest.raises(ValueError, match="num_pages: a pool of pages needs page_size too"):
+        attn.init_cache(2, MAX_SEQ, num_pages=4)
+    with pytest.raises(ValueError, match="page_size: expected a positive int"):
+        attn.init_cache(2, MAX_SEQ, page_size=0)
+    cache = attn.init_cache(2, MAX_SEQ, page_size=PAGE)
+    with pytest.raises(ValueError, match="new_tokens: expected a non-negative int"):
+        dsv4_jax.reserve_pages(cache, -1)
+    with pytest.raises(TypeError, match="pages are taken eagerly"):
+        jax.jit(lambda c: dsv4_jax.reserve_pages(c, 4))(cache)
