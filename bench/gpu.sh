@@ -36,6 +36,11 @@
 #   finite    the finite check's verdict by the step's flag (dsv4_jax.step.finite_flag): its tests with the
 #             CUDA handler, then the module call with each finite-check way against the jitted step
 #             (bench/stack.py --call-overhead-only, flash CSA decode B = 1) -> $OUT/call_overhead.json
+#   loops     the decode loops side by side in one process (issue 68; bench/loops.py): same_buffers, usual,
+#             own_jit (nnx.jit of the module calls), own_jit_fast (dsv4_jax.jit_modules), module_calls, per
+#             (stack, B, context): STACKS (default csa,hca), BATCHES (1,8,32), CONTEXTS (2048,16384,131072),
+#             LOOPS_ARGS (more bench/loops.py arguments); no cell starts past LOOPS_DEADLINE s (default 410),
+#             LOOPS_TIMEOUT (default 470) -> $OUT/loops.json, $OUT/loops.log; ~20 s a cell on the H200
 #   repro     the same bits in every process? bench/reproducibility.py three times with the defaults,
 #             three times with deterministic=True (REPRO_ARGS), one process after another ->
 #             $OUT/repro_<setting>_<i>.json and the summary $OUT/reproducibility.json
@@ -251,6 +256,15 @@ finite() {
   grep -E "passed|failed|FAILED|Error|Warning" "$OUT/gpu_finite.log" | tail -12
   timeout "${OVERHEAD_TIMEOUT:-240}" python3 bench/stack.py --call-overhead-only --call-overhead-size flash \
     --steps "${OVERHEAD_STEPS:-200}" --repeats 5 --json "$OUT/call_overhead.json" 2>&1 | tail -5
+}
+
+loops() {
+  timeout "${LOOPS_TIMEOUT:-470}" python3 bench/loops.py --size flash --stacks "${STACKS:-csa,hca}" \
+    --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-2048,16384,131072}" --deadline-s "${LOOPS_DEADLINE:-410}" \
+    --json "$OUT/loops.json" ${LOOPS_ARGS:-} >"$OUT/loops.log" 2>&1
+  echo "loops rc=$?"
+  # the table where the run finished, else the lines it printed as it went
+  if grep -q "^| stack" "$OUT/loops.log"; then grep "^|" "$OUT/loops.log" | cut -d"|" -f2-9; else grep "^loops\|Error" "$OUT/loops.log" | cut -c1-140 | tail -90; fi
 }
 
 for cmd in "$@"; do

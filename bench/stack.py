@@ -224,6 +224,35 @@ def _positions(batch: int, start: int, n: int):
 
 
 # ---------------------------------------------------------------------------- timings
+def timed_steps(step, steps: int, repeats: int, n_layers: int) -> tuple[dict, object]:
+    """Time a decode loop: `repeats` repeats of `steps` calls of ``step()`` back to back (each
+    dispatches one step and returns what it made; dispatch overlaps the device, as in a model's
+    decode loop), each repeat timed as a whole, then `steps` single calls with a block after each.
+    (The timing fields of a record, the last call's result.) ``per_layer_ms`` = median over
+    repeats of (repeat time / steps / `n_layers`)."""
+    per_step, dispatched = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = step()
+        dispatched.append((time.perf_counter() - t0) / steps)
+        jax.block_until_ready(out)
+        per_step.append((time.perf_counter() - t0) / steps)
+    blocking = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = step()
+        jax.block_until_ready(out)
+        blocking.append(time.perf_counter() - t0)
+    step_ms = 1e3 * float(np.median(per_step))
+    return {"step_ms": step_ms, "per_layer_ms": step_ms / n_layers,
+            "per_layer_ms_repeats": [1e3 * t / n_layers for t in per_step],
+            "step_ms_blocking": 1e3 * float(np.median(blocking)),
+            # The host's time to hand the device a step (the dispatch loop, before the block):
+            # near step_ms, the host and not the device sets the pace of the pipelined steps.
+            "host_dispatch_ms": 1e3 * float(np.median(dispatched))}, out
+
+
 def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int, seed: int,
                 same_buffers: str | None = None) -> dict:
     """Decode timings of the stack at (batch, context); see the module docstring. With
@@ -262,34 +291,19 @@ def time_decode(stack: Stack, batch: int, context: int, steps: int, repeats: int
         h, caches = step(caches, pos)
         pos += 1
         jax.block_until_ready((h, caches))
-    per_step, dispatched = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            h, caches = step(caches, pos)
-            pos += 1
-        dispatched.append((time.perf_counter() - t0) / steps)
-        jax.block_until_ready((h, caches))
-        per_step.append((time.perf_counter() - t0) / steps)
-    blocking = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        h, caches = step(caches, pos)
-        jax.block_until_ready((h, caches))
-        blocking.append(time.perf_counter() - t0)
-        pos += 1
+    state = {"caches": caches, "pos": pos}
+
+    def next_step():
+        h, state["caches"] = step(state["caches"], state["pos"])
+        state["pos"] += 1
+        return h, state["caches"]
+
+    timings, (h, caches) = timed_steps(next_step, steps, repeats, len(stack.layers))
     finite = bool(jnp.all(jnp.isfinite(h)))
     memory = compiled_memory(stack, "all" if same_buffers == "all" else same_buffers, stack.weights, caches,
                              fed[-1] if same_buffers == "all" else x,
                              None if same_buffers else positions[0])
-    n = len(stack.layers)
-    step_ms = 1e3 * float(np.median(per_step))
-    return {"step_ms": step_ms, "per_layer_ms": step_ms / n,
-            "per_layer_ms_repeats": [1e3 * t / n for t in per_step],
-            "step_ms_blocking": 1e3 * float(np.median(blocking)),
-            # The host's time to hand the device a step (the dispatch loop, before the block):
-            # near step_ms, the host and not the device sets the pace of the pipelined steps.
-            "host_dispatch_ms": 1e3 * float(np.median(dispatched)),
+    return {**timings,
             "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len,
             "steps": steps, "repeats": repeats, "output_finite": finite, "output_digest": digest(h), **memory,
             **stack.floor(batch, context + warm + repeats * steps // 2, 1)}

@@ -25,6 +25,7 @@ from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from dsv4_jax.io import export  # noqa: F401
 from dsv4_jax.io.checkpoint import load_attention_checkpoint
 from dsv4_jax.io.hf_weights import load_hf_attention_weights
+from dsv4_jax.layer.jit_modules import jit_modules
 from dsv4_jax.layer.module import DeepseekV4Attention
 from dsv4_jax.layer.options import LayerOptions
 from dsv4_jax.native import native_info
@@ -122,6 +123,7 @@ __all__ = [
     "attention_step",
     "compiler_options",
     "indexer_kl_loss",
+    "jit_modules",
     "load_attention_checkpoint",
     "load_hf_attention_weights",
     "native_info",

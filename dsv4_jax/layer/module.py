@@ -366,6 +366,13 @@ class DeepseekV4Attention(nnx.Module):
             hit = _STEP_WEIGHTS[self] = (weights, fuse_input_projections(weights))
         return hit[1]
 
+    def _hold_input_projections(self, input_proj) -> None:
+        """Let `step_weights()` hand out `weights()` with this `input_proj` while the parameters
+        hold: the fused input projections made once outside a trace and passed into it as an
+        argument (`dsv4_jax.layer.jit_modules`), instead of concatenated inside every step."""
+        weights = self.weights()
+        _STEP_WEIGHTS[self] = (weights, weights.replace(input_proj=input_proj))
+
     def _probed_step_weights(self) -> tuple:
         """(the probe of the parameters `weights()` was made from, or None, `step_weights()`):
         what the call path holds to reuse the pytree while the probe `holds()`. Both come from
