@@ -48,7 +48,6 @@ from dsv4_jax.cache.contiguous import (
 from dsv4_jax.cache.quantized import check_cache_numerics, read, read_picked
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_jax.ops.compress.reference import CompressorWeights, compress, visible_entries
-from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.ops.indexer.reference import IndexerWeights, head_weights, index_queries
 from dsv4_jax.ops.norms import rms_norm
 from dsv4_jax.ops.projection.pallas import projection
@@ -261,17 +260,16 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
 
 
 def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: AttentionWeights,
-               spec: StepSpec, rotations: LayerRotations, select=None) -> StageOutputs:
+               spec: StepSpec, rotations: LayerRotations, select) -> StageOutputs:
     """Stages 2-4 (`wq_b_kv_insert`, `compressor`, `indexer`); XLA or NumPy (see `breaks`).
 
-    `rotations`: the step's (`rope.layer_rotations`): the layer's rope for the queries and keys,
-    the compressed one for the compressors' entries and the indexer's queries.
-    `select` is the indexer's selection (default: the plan's; in-graph, the narrow host
-    break or the native handler); the wide break runs this whole function on the host with
-    the NumPy selection.
+    What the step hands down: `rotations` (`rope.layer_rotations`: the layer's rope for the
+    queries and keys, the compressed one for the compressors' entries and the indexer's
+    queries) and `select`, the indexer's selection (`StepPlan.indexer_select`: in-graph, the
+    narrow host break or the native handler; the NumPy one where the wide break runs this
+    whole function on the host).
     """
     cfg = spec.cfg
-    select = select or spec.plan.indexer_select()
     length = cache.length
     # Ragged calls: row b has count[b] real tokens, then padded slots (position -1) that write
     # nothing (scatter indices dropped) and that the indexer scores against no entry (visible 0).
@@ -405,20 +403,21 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     if spec.checks:
         check_in_graph(length, positions, cache.max_seq_len)
 
-    # The rotations, once a step: handed down to the stages that rotate (queries, keys, compressed
-    # entries, the indexer's queries, the attention output).
-    rotations = layer_rotations(cfg, spec.rope_kind)
-
     # 1. Input GEMMs (vLLM: the parallel input projections and the fused q/kv norm).
     with jax.named_scope("input_projections"):
         inputs = input_projections(x, weights, cfg, dtype, prec, spec.plan.kernels.projections_for())
 
+    # What the later stages are handed, once a step: the rotations (queries, keys, compressed
+    # entries, the indexer's queries, the attention output) and the plan's indexer selection.
+    rotations = layer_rotations(cfg, spec.rope_kind)
+    select = spec.plan.indexer_select()
+
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
     if spec.plan.mode == "wide":
-        stage_fn = functools.partial(run_stages, spec=spec, rotations=rotations, select=indexer.select_topk)
+        stage_fn = functools.partial(run_stages, spec=spec, rotations=rotations, select=select)
         stages = breaks.wide_host_call(stage_fn, inputs, cache, positions, stage_weights(weights))
     else:
-        stages = run_stages(inputs, cache, positions, weights, spec, rotations)
+        stages = run_stages(inputs, cache, positions, weights, spec, rotations, select)
 
     # 5. Sparse attention over [window | picked or visible entries] with the sink.
     # An FP8 cache's rows are read dequantized (the values a bf16 cache holds, `quantized_cache`);
