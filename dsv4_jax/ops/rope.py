@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -68,6 +69,21 @@ def rotation_of(cfg: DeepseekV4Config, kind: str) -> tuple[np.ndarray, float]:
     """One rope kind's (inverse frequencies float32 [half], cos/sin scale): what a stage that
     rotates needs (`inv_freq`, `attention_factor`), computed once per config and kind."""
     return inv_freq(cfg, kind), attention_factor(cfg, kind)
+
+
+class LayerRotations(NamedTuple):
+    """The rotations of a layer's step, each `rotation_of`'s (inverse frequencies, cos/sin scale):
+    `attention` turns its queries and keys and, inverted, its attention output (the layer's kind,
+    `DeepseekV4Config.rope_kind`); `compressed` its compressed entries and the indexer's queries."""
+
+    attention: tuple[np.ndarray, float]
+    compressed: tuple[np.ndarray, float]
+
+
+def layer_rotations(cfg: DeepseekV4Config, kind: str) -> LayerRotations:
+    """The `LayerRotations` of a layer whose rope is `kind` ("main" or "compress"), which its step
+    computes once and hands down."""
+    return LayerRotations(rotation_of(cfg, kind), rotation_of(cfg, "compress"))
 
 
 def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = False, scale: float = 1.0,

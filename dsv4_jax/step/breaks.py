@@ -158,7 +158,7 @@ def host_call(fn: Callable[..., Any], *args):
 def wide_host_call(fn: Callable[..., Any], *args):
     """`host_call` for the wide break, differentiable in reverse mode by its in-graph twin.
 
-    `fn` is ``partial(run_stages, spec=spec, select=indexer.select_topk)`` and `args` are
+    `fn` is ``partial(run_stages, spec=spec, rotations=..., select=indexer.select_topk)`` and `args` are
     ``(inputs, cache, positions, stage weights)``; on a mesh (``spec.plan.layout``) the callback
     runs once per batch shard with the weights whole (`sharding.run_per_shard`), and its new
     state keeps the cache's batch sharding.

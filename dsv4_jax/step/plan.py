@@ -70,7 +70,10 @@ class StepPlan:
     deterministic: bool = False
 
     def indexer_select(self) -> Callable[..., Any]:
-        """The `select_topk` that `pure_step.run_stages` calls for this plan."""
+        """The `select_topk` that `pure_step.run_stages` calls for this plan. The wide break's:
+        NumPy's, inside the host break (which runs per batch shard itself, `breaks.wide_host_call`)."""
+        if self.mode == "wide":
+            return indexer.select_topk
         if self.native_select:
             select = functools.partial(indexer_native.select_native, graph=self.mode == "none",
                                        kernels=self.kernels)

@@ -49,12 +49,11 @@ from dsv4_jax.cache.contiguous import (
 from dsv4_jax.cache.quantized import check_cache_numerics, read, read_picked
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_jax.ops.compress.reference import CompressorWeights, compress, visible_entries
-from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.ops.indexer.reference import IndexerWeights, head_weights, index_queries
 from dsv4_jax.ops.norms import rms_norm
 from dsv4_jax.ops.projection.pallas import projection
 from dsv4_jax.ops.query_norm.pallas import query_norm
-from dsv4_jax.ops.rope import apply_rope, rotation_of
+from dsv4_jax.ops.rope import LayerRotations, apply_rope, layer_rotations
 from dsv4_jax.ops.sparse_attention.reference import OutputRotation, key_pool, sparse_attention
 from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step import overlap as overlap_mod
@@ -213,6 +212,7 @@ class StepSpec:
         return self.cfg.rope_kind(self.layer_type)
 
 
+
 # ---------------------------------------------------------------------------- stages 2-4
 def straight_through(rounding, x):
     """``rounding(x)`` (an official numerics round trip, `dsv4_jax.numerics`) whose gradient is
@@ -241,42 +241,43 @@ def official_roundings(spec: StepSpec) -> tuple:
             functools.partial(straight_through, numerics.round_indexer_official))
 
 
-def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, frozen=None,
-                   count=None):
+def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: StepSpec, rope: tuple,
+                   round_kv=None, frozen=None, count=None):
     """Stage 2: queries [B, S, H, D] and rotated keys [B, S, D]; the window cache after the insert
     (rows in `frozen` unchanged; of a ragged call only each row's `count` real tokens are
     inserted). Padded slots (position -1) get queries and keys too (fixed shapes), which
-    nothing reads."""
+    nothing reads. `rope`: the layer's (freqs, scale) (`LayerRotations.attention`); `round_kv`:
+    the official numerics' KV rounding or None (`official_roundings`)."""
     cfg, dtype = spec.cfg, spec.dtype
-    freqs, scale = rotation_of(cfg, spec.rope_kind)
+    freqs, scale = rope
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
     # The per-head norm and RoPE: one kernel each way where the plan says (`head_norm_kernel`).
     q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm_for(q), rotation=(positions, freqs, scale))
     kv = apply_rope(kv, positions, freqs, scale=scale)
-    round_kv, _ = official_roundings(spec)
     if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert
         kv = round_kv(kv)
     return q, kv, insert_ring(window, kv, length, frozen, count)
 
 
 def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: AttentionWeights,
-               spec: StepSpec, select=None) -> StageOutputs:
+               spec: StepSpec, rotations: LayerRotations, select) -> StageOutputs:
     """Stages 2-4 (`wq_b_kv_insert`, `compressor`, `indexer`); XLA or NumPy (see `breaks`).
 
-    `select` is the indexer's selection (default: the plan's; in-graph, the narrow host
-    break or the native handler); the wide break runs this whole function on the host with
-    the NumPy selection.
+    What the step hands down: `rotations` (`rope.layer_rotations`: the layer's rope for the
+    queries and keys, the compressed one for the compressors' entries and the indexer's
+    queries) and `select`, the indexer's selection (`StepPlan.indexer_select`: in-graph, the
+    narrow host break or the native handler; the NumPy one where the wide break runs this
+    whole function on the host).
     """
     cfg = spec.cfg
-    select = select or spec.plan.indexer_select()
     length = cache.length
     # Ragged calls: row b has count[b] real tokens, then padded slots (position -1) that write
     # nothing (scatter indices dropped) and that the indexer scores against no entry (visible 0).
     count = real_tokens(positions)
     # A row that would run past max_seq_len (possible only under a user's jit) writes nothing.
     frozen = overflows(length, count, paged.row_limit(cache))
-    compress_freqs, compress_scale = rotation_of(cfg, "compress")
+    compress_freqs, compress_scale = rotations.compressed
     common = dict(ratio=spec.ratio, freqs=compress_freqs, rope_scale=compress_scale, eps=cfg.rms_norm_eps,
                   frozen=frozen, count=count, kernel=spec.plan.kernels.compress_for())
     round_kv, round_indexer = official_roundings(spec)
@@ -284,7 +285,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     # The named scopes label the step's XLA operations by stage (profiles: bench/kernel_profile.py).
     with jax.named_scope("wq_b_kv_insert"):
         q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
-                                       weights.q_b_proj, spec, frozen, count)
+                                       weights.q_b_proj, spec, rotations.attention, round_kv, frozen, count)
     out = StageOutputs(q=q, kv=kv, window=window)
     if spec.layer_type == SLIDING:
         return out
@@ -410,12 +411,17 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     with jax.named_scope("input_projections"):
         inputs = input_projections(x, weights, cfg, dtype, prec, spec.plan.kernels.projections_for())
 
+    # What the later stages are handed, once a step: the rotations (queries, keys, compressed
+    # entries, the indexer's queries, the attention output) and the plan's indexer selection.
+    rotations = layer_rotations(cfg, spec.rope_kind)
+    select = spec.plan.indexer_select()
+
     # 2-4. wq_b_kv_insert, compressor, indexer: in-graph, or (partly) in the host break.
     if spec.plan.mode == "wide":
-        stage_fn = functools.partial(run_stages, spec=spec, select=indexer.select_topk)
+        stage_fn = functools.partial(run_stages, spec=spec, rotations=rotations, select=select)
         stages = breaks.wide_host_call(stage_fn, inputs, cache, positions, stage_weights(weights))
     else:
-        stages = run_stages(inputs, cache, positions, weights, spec)
+        stages = run_stages(inputs, cache, positions, weights, spec, rotations, select)
 
     # 5. Sparse attention over [window | picked or visible entries] with the sink.
     # An FP8 cache's rows are read dequantized (the values a bf16 cache holds, `quantized_cache`);
@@ -434,8 +440,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
             stages.q, pool, window_idx, weights.sinks, window_in_place=in_place,
             entries=entries, picks=picks, visible=visible if spec.layer_type == HCA else None,
             block=spec.query_block, precision=prec, with_mass=spec.return_intermediates,
-            rotation=output_rotation(positions, spec), output_groups=spec.cfg.o_groups, window_contiguous=True,
-            kernels=spec.plan.kernels,
+            rotation=OutputRotation(positions, *rotations.attention), output_groups=spec.cfg.o_groups,
+            window_contiguous=True, kernels=spec.plan.kernels,
         )
 
     # 6. Grouped low-rank output projection (of the output de-rotated above).
@@ -513,13 +519,8 @@ def check_in_graph(length, positions, max_seq_len: int) -> None:
                    **({"row": row} if batch > 1 else {}))
 
 
-def output_rotation(positions, spec: StepSpec) -> OutputRotation:
-    """Stage 6's inverse RoPE at each query's position, which `sparse_attention` applies."""
-    return OutputRotation(positions, *rotation_of(spec.cfg, spec.rope_kind))
-
-
 def output_projection(o, weights: AttentionWeights, spec: StepSpec):
-    """Stage 6: o [B, S, H, D] (de-rotated: `output_rotation`) -> groups [B, S, G, H*D/G] -> wo_a
+    """Stage 6: o [B, S, H, D] (de-rotated by `sparse_attention`) -> groups [B, S, G, H*D/G] -> wo_a
     -> wo_b [B, S, hidden]."""
     cfg, dtype = spec.cfg, spec.dtype
     kernel = spec.plan.kernels.projections_for()

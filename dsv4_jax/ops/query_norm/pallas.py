@@ -215,20 +215,20 @@ def query_norm(q: Array, eps: float, choice: str = "xla", rotation: tuple | None
     trailing 2 * half channels at each token's position, fused into the norm's kernels (one pass
     over the queries each way, where XLA's in-place rotation reads and writes the rotated
     channels once more in a slice and an update, each way)."""
-    if choice == "xla" or namespace(q) is np or (choice == "pallas" and not supports(q, rotation)):
-        return _reference(q, eps, rotation, in_place=choice == "xla")
     interpret = choice == "interpret"
-    if rotation is None:
-        kernel = lambda x: head_rms_norm_kernel(x, float(eps), interpret)  # noqa: E731
-    else:
-        positions, freqs, scale = rotation
-        kernel = lambda x: head_rms_norm_rope_kernel(x, positions, freqs, scale, float(eps), interpret)  # noqa: E731
-    if interpret:
-        return kernel(q)
     # Pallas lowers Triton kernels only where a GPU is the default backend.
-    if jax.default_backend() != "gpu":
-        return _reference(q, eps, rotation, in_place=False)
-    return jax.lax.platform_dependent(q, cuda=kernel, default=lambda x: _reference(x, eps, rotation, in_place=False))
+    kernels = interpret or (choice == "pallas" and supports(q, rotation) and jax.default_backend() == "gpu")
+    if kernels and namespace(q) is not np:
+        if rotation is None:
+            kernel = lambda x: head_rms_norm_kernel(x, float(eps), interpret)  # noqa: E731
+        else:
+            positions, freqs, scale = rotation
+            kernel = lambda x: head_rms_norm_rope_kernel(x, positions, freqs, scale, float(eps), interpret)  # noqa: E731
+        if interpret:
+            return kernel(q)
+        return jax.lax.platform_dependent(q, cuda=kernel,
+                                          default=lambda x: _reference(x, eps, rotation, in_place=False))
+    return _reference(q, eps, rotation, in_place=choice == "xla")
 
 
 def supports(q: Array, rotation: tuple | None) -> bool:
