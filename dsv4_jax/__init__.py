@@ -20,6 +20,7 @@ import typing
 # export registers the pytrees for jax.export serialization; sharding: meshes, partition specs;
 # long_context: prompts of any length by chunks, cache sizes.
 from dsv4_jax.cache.contiguous import AttentionCache, CompressorCache, reset_rows
+from dsv4_jax.cache.rows import fork_rows, rewind_rows
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from dsv4_jax.io import export  # noqa: F401
 from dsv4_jax.io.checkpoint import load_attention_checkpoint
@@ -119,9 +120,11 @@ __all__ = [
     "YarnScaling",
     "attention_step",
     "compiler_options",
+    "fork_rows",
     "indexer_kl_loss",
     "load_attention_checkpoint",
     "load_hf_attention_weights",
     "native_info",
     "reset_rows",
+    "rewind_rows",
 ]

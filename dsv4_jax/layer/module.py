@@ -273,7 +273,8 @@ class DeepseekV4Attention(nnx.Module):
 
     # ------------------------------------------------------------------ public API
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None, *,
-                   allow_long_context: bool = False, kv_cache_dtype: str = "auto") -> AttentionCache:
+                   allow_long_context: bool = False, kv_cache_dtype: str = "auto",
+                   max_rewind: int = 0) -> AttentionCache:
         """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
         dtype: the cache dtype; defaults to the layer's compute dtype, which is `dtype`, else
@@ -289,6 +290,11 @@ class DeepseekV4Attention(nnx.Module):
         the FP4 grid, in about half the bytes; `dsv4_jax.cache.quantized`). Lossless for a layer
         with ``numerics="official"`` (same picks and outputs as its bf16 cache, bit for bit),
         which it requires: with "reference" numerics a `ValueError` names ``kv_cache_dtype``.
+        max_rewind: K >= 0, the most tokens a row can take back with `dsv4_jax.rewind_rows`
+        (speculative decoding: the rejected drafts). K > 0 keeps, per ring, the K tokens it last
+        evicted (`dsv4_jax.cache.history`): K rows of the window's and of each compressor ring's
+        width a batch row, and the step writes up to ``min(K, S)`` of them more per ring; 0 (the
+        default) keeps nothing and costs nothing.
         """
         dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         dtype = dtype or self.compute_dtype
@@ -297,7 +303,8 @@ class DeepseekV4Attention(nnx.Module):
                 "kv_cache_dtype: 'fp8' stores the keys on the official numerics' FP8/FP4 grid; expected a layer "
                 f"with numerics='official', got numerics={self.numerics!r}")
         cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
-                                     allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype)
+                                     allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype,
+                                     max_rewind=max_rewind)
         cache = cache.replace(numerics=self.numerics)  # its rows will hold this numerics' rounding
         # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)

@@ -40,11 +40,13 @@ from dsv4_jax.cache.contiguous import (
     AttentionCache,
     CompressorCache,
     advance_length,
+    advance_rewindable,
     insert_ring,
     next_positions,
     overflows,
     real_tokens,
 )
+from dsv4_jax.cache.history import keep_evicted
 from dsv4_jax.cache.quantized import check_cache_numerics, read, read_picked
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_jax.ops.compress.reference import CompressorWeights, compress, visible_entries
@@ -142,6 +144,7 @@ class StageOutputs:
     indexer: CompressorCache | None = None
     picks: Array | None = None  # [B, S, K] int32, -1 = nothing (CSA)
     index_scores: Array | None = None  # [B, S, T] float32 (CSA, only when intermediates are asked)
+    window_history: Array | None = None  # [B, K, D] the window ring's rewind history (max_rewind > 0)
 
 
 @struct.dataclass
@@ -284,7 +287,9 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     with jax.named_scope("wq_b_kv_insert"):
         q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
                                        weights.q_b_proj, spec, frozen, count)
-    out = StageOutputs(q=q, kv=kv, window=window)
+    # With a rewind history (`max_rewind` > 0), the window tokens this insert evicts.
+    window_history = keep_evicted(cache.window_history, cache.window, kv, length, frozen, count)
+    out = StageOutputs(q=q, kv=kv, window=window, window_history=window_history)
     if spec.layer_type == SLIDING:
         return out
 
@@ -449,8 +454,9 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         out = finite_flag.joined(out, flag)
 
     new_length = jnp.where(overflow, length, advance_length(length, count))
-    new_cache = cache.replace(length=new_length, window=stages.window,
-                              compressor=stages.compressor, indexer=stages.indexer)
+    new_cache = cache.replace(length=new_length, window=stages.window, window_history=stages.window_history,
+                              compressor=stages.compressor, indexer=stages.indexer,
+                              rewindable=advance_rewindable(cache.rewindable, count, overflow, cache.max_rewind))
     intermediates = None
     if spec.return_intermediates:
         def padded_zero(a):  # padded slots' queries, keys and masses are 0 (nothing was attended)
