@@ -139,11 +139,13 @@ def test_rewind_equals_never_written(kind, mode, fp8):
     true, junk = stream()
     spec, ref = new_cache(attn, fp8), new_cache(attn, fp8)
 
+    kept = np.zeros((BATCH, MAX_SEQ_LEN, CFG.hidden_size), np.float32)  # the kept tokens' outputs
     out, spec = call(attn, spec, true, [PREFILL] * BATCH, PREFILL)
     spec = rewind_rows(spec, [0, 2], [4, 2])
     _, ref = call(attn, ref, true, [9, 13, 11], PREFILL)
     assert_same_cache(spec, ref)
     np.testing.assert_array_equal(spec.length, [9, 13, 11])
+    kept[:, :PREFILL] = out
 
     drafts = [8, 5, 8]
     accept = np.array([1, 0, 5])
@@ -156,6 +158,7 @@ def test_rewind_equals_never_written(kind, mode, fp8):
     want, ref = call(attn, ref, x, accept, DRAFTS)
     for b, a in enumerate(accept):  # the accepted drafts' outputs are the reference's
         np.testing.assert_array_equal(out[b, :a], want[b, :a])
+        kept[b, spec.length[b] - a:spec.length[b]] = out[b, :a]
     assert_same_cache(spec, ref)
 
     for step in range(K):
@@ -164,7 +167,24 @@ def test_rewind_equals_never_written(kind, mode, fp8):
         out, spec = attn(jnp.asarray(x), None, spec)
         want, ref = attn(jnp.asarray(x), None, ref)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(want), err_msg=f"decode step {step}")
+        kept[np.arange(BATCH), start] = np.asarray(out)[:, 0]
     assert_same_cache(spec, ref, exact=True)
+    # Every kept token's output is token-by-token decoding's (the [3, 1] step compiled above).
+    stepwise = token_by_token(attn, true, np.asarray(spec.length), fp8)
+    for b in range(BATCH):
+        n = int(spec.length[b])
+        err = np.abs(kept[b, :n] - stepwise[b, :n]).max() / np.abs(stepwise[b, :n]).max()
+        assert err < 2e-5, (b, err)
+
+
+def token_by_token(attn, true, lengths, fp8=False):
+    """Each row's first lengths[b] tokens decoded one a call (rows that are done pad): [B, T, hidden]."""
+    cache, outs = new_cache(attn, fp8), np.zeros((BATCH, MAX_SEQ_LEN, CFG.hidden_size), np.float32)
+    for t in range(int(lengths.max())):
+        pos = np.where(t < lengths, t, -1).astype(np.int32)[:, None]
+        out, cache = attn(jnp.asarray(true[:, t:t + 1]), pos, cache)
+        outs[:, t] = np.asarray(out)[:, 0]
+    return outs
 
 
 def test_rewind_past_the_ring_restores_it_whole():
