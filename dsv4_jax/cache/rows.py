@@ -74,11 +74,11 @@ def rewind_rows(cache: AttentionCache, rows, n) -> AttentionCache:
 def _host_counts(cache: AttentionCache, rows, n, batch: int) -> np.ndarray:
     """Concrete rows and n, checked -> [B] int32 tokens to take back per row (0: untouched)."""
     idx = _host_rows(rows, batch)
-    if np.asarray(rows).dtype != bool and len(np.unique(idx)) != len(idx):
-        raise ValueError(f"rows: expected each row at most once, got {np.asarray(rows).reshape(-1).tolist()}")
     mask = np.asarray(rows).dtype == bool
+    if not mask and len(np.unique(idx)) != len(idx):
+        raise ValueError(f"rows: expected each row at most once, got {np.asarray(rows).reshape(-1).tolist()}")
     arr = np.asarray(n)
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer) or isinstance(n, bool):
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"n: expected an int or ints (tokens to take back), got {arr.dtype.name} {n!r}")
     want = (batch,) if mask else (len(idx),)
     if arr.ndim and arr.shape != want:

@@ -456,7 +456,8 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
     new_length = jnp.where(overflow, length, advance_length(length, count))
     new_cache = cache.replace(length=new_length, window=stages.window, window_history=stages.window_history,
                               compressor=stages.compressor, indexer=stages.indexer,
-                              rewindable=advance_rewindable(cache.rewindable, count, overflow, cache.max_rewind))
+                              rewindable=advance_rewindable(_on_device(cache.rewindable), count, overflow,
+                                                            cache.max_rewind))
     intermediates = None
     if spec.return_intermediates:
         def padded_zero(a):  # padded slots' queries, keys and masses are 0 (nothing was attended)
@@ -471,6 +472,11 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
             visible_entries=visible,
         )
     return out, new_cache, intermediates
+
+
+def _on_device(mirror):
+    """A host mirror (a NumPy [B] int32 the step may be handed) as a JAX array; None stays None."""
+    return None if mirror is None else jnp.asarray(mirror, jnp.int32)
 
 
 def check_in_graph(length, positions, max_seq_len: int) -> None:

@@ -226,7 +226,7 @@ def test_sparse_attention_chooses_the_kernel_only_where_asked(s, monkeypatch):
 def test_forced_prefill_blocks_may_skip_masked_entry_blocks(monkeypatch):
     """A plan's forced blocks (`bench/stack.py --prefill-blocks BK,BH,WARPS,STAGES,1`): the forced
     kernel skips each row's entry blocks past its last pick, with the XLA path's result."""
-    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=40, k=16, dtype=jnp.float32, s=6)
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=40, k=16, dtype=jnp.float32, s=9)
     plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1, 1))
     calls = []
     real = sak.sparse_attention_kernel
