@@ -21,6 +21,7 @@ import typing
 # long_context: prompts of any length by chunks, cache sizes.
 from dsv4_jax.cache.contiguous import AttentionCache, CompressorCache, reset_rows
 from dsv4_jax.cache.paged import PageTable, reserve_pages
+from dsv4_jax.cache.rows import fork_rows, rewind_rows
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from dsv4_jax.io import export  # noqa: F401
 from dsv4_jax.io.checkpoint import load_attention_checkpoint
@@ -122,6 +123,7 @@ __all__ = [
     "YarnScaling",
     "attention_step",
     "compiler_options",
+    "fork_rows",
     "indexer_kl_loss",
     "jit_modules",
     "load_attention_checkpoint",
@@ -129,4 +131,5 @@ __all__ = [
     "native_info",
     "reserve_pages",
     "reset_rows",
+    "rewind_rows",
 ]

@@ -17,11 +17,21 @@ compressor          CompressorCache       CSA/HCA layers: compressed KV entries 
 indexer             CompressorCache       CSA layers: the indexer's own key compressor
 pages               PageTable or None     a paged cache's page table (`cache.paged`): the
                                           entries are then pools of pages, not [B, T, Dc]
+window_history      [B, K, D] or None     with ``max_rewind=K``: the K tokens just older
+                                          than the window ring, slot q % K (`history`)
+rewindable          [B] int32 or None     with ``max_rewind=K``: tokens each row can take
+                                          back (`rows.rewind_rows`; a host mirror when eager)
 ==================  ====================  ===============================================
 
 With ``kv_cache_dtype="fp8"`` the window and the entries (the main KV and the indexer's
 keys) are `quantized_cache.QuantizedRows` standing for those [B, N, D] arrays: FP8 grid values
 and scale bytes, lossless for the official numerics (the rings stay in the cache dtype).
+
+Rewind (``init_cache(..., max_rewind=K)``, K > 0): every ring (the window, the compressors'
+`buffer`) keeps a history of K slots and the cache a per-row count of rewindable tokens, so
+`rows.rewind_rows` can take back a row's last tokens exactly (`history` says how and what it
+costs). ``max_rewind=0`` (the default) keeps none of it: those fields are None, the step writes
+nothing more.
 
 Ragged batches: a call may carry a different number of real tokens per row; a row's padded
 slots (position `PAD` = -1, after its real tokens) write nothing and `length` counts real
@@ -67,10 +77,14 @@ class CompressorCache:
     projections): slot ``p % R`` holds token p for the last R positions, so every path (prefill
     chunks, decode steps) leaves the same state. Ring slots of positions before 0 and rows of
     `entries` at or beyond ``length // m`` hold zeros (nothing was written there).
+
+    history:      [B, K, 2*n*Dc]  or None: with ``max_rewind=K``, the K tokens just older than
+                                  the ring, slot q % K (`dsv4_jax.cache.history`)
     """
 
     entries: Array
     buffer: Array
+    history: Array | None = None
 
 
 @struct.dataclass
@@ -81,6 +95,8 @@ class AttentionCache:
     window: Array
     compressor: CompressorCache | None = None
     indexer: CompressorCache | None = None
+    window_history: Array | None = None
+    rewindable: Array | None = None
     pages: PageTable | None = None
     layer_idx: int = struct.field(pytree_node=False, default=-1)
     layer_type: str = struct.field(pytree_node=False, default=SLIDING)
@@ -96,6 +112,17 @@ class AttentionCache:
     @property
     def dtype(self):
         return self.window.dtype
+
+    @property
+    def max_rewind(self) -> int:
+        """K: the most tokens a row can take back (`rows.rewind_rows`); 0 where the cache
+        keeps no history (``init_cache(..., max_rewind=0)``, the default)."""
+        return 0 if self.window_history is None else int(self.window_history.shape[1])
+
+
+# The fields an eager cache keeps as host mirrors (NumPy [B] int32): the step returns their
+# device values, the eager call path replaces them by the values it computed on the host.
+HOST_MIRRORS = ("length", "rewindable")
 
 
 PAD = -1  # the position of a padded slot (ragged batches): after a row's real tokens
@@ -132,6 +159,20 @@ def advance_length(length: Array, new_tokens) -> Array:
     return length + new_tokens
 
 
+def advance_rewindable(rewindable: Array | None, new_tokens, frozen=None, max_rewind: int = 0):
+    """`rewindable` after a call of `new_tokens` real tokens per row (int or [B]): each row can
+    take back ``min(K, rewindable + new_tokens)`` tokens (its history holds that many of the
+    tokens its ring evicted, or they were never evicted); rows in `frozen` [B] bool (written
+    nothing) keep theirs. None (a cache without history) stays None. NumPy in, NumPy out (the
+    host mirror); JAX in, JAX out."""
+    if rewindable is None:
+        return None
+    if isinstance(rewindable, np.ndarray):
+        return np.minimum(rewindable + np.asarray(new_tokens), max_rewind).astype(np.int32)
+    grown = jnp.minimum(jnp.asarray(rewindable, jnp.int32) + new_tokens, max_rewind).astype(jnp.int32)
+    return grown if frozen is None else jnp.where(frozen, jnp.asarray(rewindable, jnp.int32), grown)
+
+
 def overflows(length: Array, new_tokens, max_seq_len: int) -> Array:
     """[B] bool: rows for which a call of `new_tokens` real tokens (int or [B]) would run past
     `max_seq_len`.
@@ -146,7 +187,8 @@ def overflows(length: Array, new_tokens, max_seq_len: int) -> Array:
 
 def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
     """The cache with `rows` emptied (length 0, every array of the row zero, as
-    `init_attention_cache` makes it) and every other row untouched.
+    `init_attention_cache` makes it: its rewind history and count too) and every other row
+    untouched.
 
     For serving loops and batched evaluation: a finished sequence's row is reset and a new
     sequence starts there at position 0 while the other rows go on. Shapes and static fields
@@ -172,21 +214,26 @@ def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
     # Concrete rows are checked and become indices (also under a jit whose cache is traced);
     # traced rows become a [B] mask, which cannot be checked.
     idx = _traced_rows(rows, batch) if is_tracer(rows) else _host_rows(rows, batch)
+    mirrors = {name: getattr(cache, name) for name in HOST_MIRRORS}
     # A paged cache's pools are not per row: the rows give their pages back instead.
     pools = {part: getattr(cache, part).entries for part in ("compressor", "indexer")
              if cache.pages is not None and getattr(cache, part) is not None}
-    per_row = cache.replace(length=None, pages=None,
+    per_row = cache.replace(pages=None, **dict.fromkeys(HOST_MIRRORS),
                             **{part: getattr(cache, part).replace(entries=None) for part in pools})
     data = jax.tree.map(lambda a: _zero_rows(a, idx), per_row)
     if cache.pages is not None:
         data = data.replace(pages=paged.release(cache.pages, idx),
                             **{part: getattr(data, part).replace(entries=pool) for part, pool in pools.items()})
-    if isinstance(cache.length, np.ndarray) and isinstance(idx, np.ndarray):
-        length = cache.length.copy()
-        length[idx] = 0
-    else:
-        length = _zero_rows(jnp.asarray(cache.length, jnp.int32), idx)
-    return data.replace(length=length)
+    for name, mirror in mirrors.items():
+        if mirror is None:
+            continue
+        if isinstance(mirror, np.ndarray) and isinstance(idx, np.ndarray):
+            mirror = mirror.copy()
+            mirror[idx] = 0
+        else:
+            mirror = _zero_rows(jnp.asarray(mirror, jnp.int32), idx)
+        mirrors[name] = mirror
+    return data.replace(**mirrors)
 
 
 def _host_rows(rows, batch: int) -> np.ndarray:
@@ -229,16 +276,19 @@ def _zero_rows(a: Array, rows) -> Array:
 
 
 def init_compressor_cache(batch: int, entries: int, ratio: int, dim: int, width: int, overlap: bool,
-                          dtype, entry_format=None, pool: tuple[int, int] | None = None) -> CompressorCache:
+                          dtype, entry_format=None, max_rewind: int = 0,
+                          pool: tuple[int, int] | None = None) -> CompressorCache:
     """An empty compressor state: `entries` slots of `dim`, a ring of `ring_slots(ratio, overlap)`
     tokens' kv and gate projections, each `width` (= n*dim) wide. `entry_format`: None (entries
     in `dtype`), or ``(grid, rope_dim)`` for FP8 entries (`quantized_cache.quantized_zeros`).
+    `max_rewind` K > 0: the ring's history of K slots (`dsv4_jax.cache.history`).
     `pool`: (pages, entries a page) for a paged cache's entries [P, E, dim] instead of [B, T, dim]."""
     rows, slots = pool if pool is not None else (batch, entries)
     return CompressorCache(
         entries=(jnp.zeros((rows, slots, dim), dtype) if entry_format is None
                  else quantized_zeros(rows, slots, dim, entry_format[1], dtype, entry_format[0])),
         buffer=jnp.zeros((batch, ring_slots(ratio, overlap), 2 * width), dtype),
+        history=jnp.zeros((batch, max_rewind, 2 * width), dtype) if max_rewind else None,
     )
 
 
@@ -282,7 +332,8 @@ def insert_ring(ring: Array, values: Array, length: Array, frozen: Array | None 
 
 def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int, dtype, *,
                          allow_long_context: bool = False, kv_cache_dtype: str = "auto",
-                         page_size: int | None = None, num_pages: int | None = None) -> AttentionCache:
+                         max_rewind: int = 0, page_size: int | None = None,
+                         num_pages: int | None = None) -> AttentionCache:
     """An empty cache for layer `layer_idx` of `cfg` (all zeros, length 0).
 
     `max_seq_len` past ``cfg.max_position_embeddings`` is refused (`check_position_limit`)
@@ -293,12 +344,15 @@ def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int,
     (`cache.paged`: the entries in a pool of `num_pages` pages, default as many as every row at
     `max_seq_len` needs; no page held yet). A sliding layer has nothing that grows: its cache
     is contiguous whatever the paging.
+    `max_rewind`: K >= 0, the most tokens a row can take back (`rows.rewind_rows`); K > 0 keeps
+    a history of K tokens per ring and the count `rewindable` (`dsv4_jax.cache.history`).
     """
     fp8 = check_kv_cache_dtype(kv_cache_dtype) == "fp8"
     layer_type = cfg.layer_type(layer_idx)
     for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    max_rewind = check_max_rewind(max_rewind)
     batch_size, max_seq_len = int(batch_size), int(max_seq_len)
     check_position_limit(cfg, max_seq_len, allow_long_context)
     dtype = jnp.dtype(dtype)
@@ -317,27 +371,42 @@ def init_attention_cache(cfg, layer_idx: int, batch_size: int, max_seq_len: int,
         compressor = init_compressor_cache(
             batch_size, entry_slots, ratio, cfg.head_dim, cfg.compressor_width(layer_type),
             overlap=layer_type == CSA, dtype=dtype, entry_format=("fp8", cfg.qk_rope_head_dim) if fp8 else None,
-            pool=pool,
+            max_rewind=max_rewind, pool=pool,
         )
         if layer_type == CSA:
             indexer = init_compressor_cache(
                 batch_size, entry_slots, ratio, cfg.index_head_dim, cfg.compressor_width(CSA, indexer=True),
-                overlap=True, dtype=dtype, entry_format=("fp4", 0) if fp8 else None, pool=pool,
+                overlap=True, dtype=dtype, entry_format=("fp4", 0) if fp8 else None, max_rewind=max_rewind,
+                pool=pool,
             )
     else:
         paged.check_paging(page_size, num_pages, (cfg.csa_compress_rate, cfg.hca_compress_rate), batch_size,
                            max_seq_len)
+
+    def window_rows(rows):
+        return (quantized_zeros(batch_size, rows, cfg.head_dim, cfg.qk_rope_head_dim, dtype, "fp8")
+                if fp8 else jnp.zeros((batch_size, rows, cfg.head_dim), dtype))
+
     return AttentionCache(
         length=np.zeros((batch_size,), np.int32),
-        window=(quantized_zeros(batch_size, cfg.sliding_window, cfg.head_dim, cfg.qk_rope_head_dim, dtype, "fp8")
-                if fp8 else jnp.zeros((batch_size, cfg.sliding_window, cfg.head_dim), dtype)),
+        window=window_rows(cfg.sliding_window),
         compressor=compressor,
         indexer=indexer,
+        window_history=window_rows(max_rewind) if max_rewind else None,
+        rewindable=np.zeros((batch_size,), np.int32) if max_rewind else None,
         pages=pages,
         layer_idx=layer_idx,
         layer_type=layer_type,
         max_seq_len=max_seq_len,
     )
+
+
+def check_max_rewind(max_rewind) -> int:
+    """`max_rewind`, checked: an int >= 0 (`ValueError` naming it otherwise)."""
+    if isinstance(max_rewind, bool) or not isinstance(max_rewind, (int, np.integer)) or max_rewind < 0:
+        raise ValueError(f"max_rewind: expected an int >= 0 (the most tokens a row can take back; 0: no "
+                         f"history kept), got {max_rewind!r}")
+    return int(max_rewind)
 
 
 def check_position_limit(cfg, max_seq_len: int, allow_long_context: bool = False) -> None:

@@ -361,3 +361,47 @@ def reserve_pages(caches, new_tokens):
         raise ValueError(f"new_tokens: expected a non-negative int or ints [B] (eagerly), got {new_tokens!r}")
     length = np.asarray(paged_caches[0].length)
     return reserve_to(caches, length + new)
+
+
+def fork_pages(cache, src: np.ndarray, dst: np.ndarray):
+    """The pages of `cache` (eager: host table) with rows `dst` holding what rows `src` hold:
+    the source's pages that no later write or rewind can reach shared (those wholly below
+    ``length - max_rewind`` tokens; their reference counts go up), the rest of the pages its
+    tokens fill copied into pages taken from the pool (in order). A destination's own pages go
+    back first. A short pool is a `ValueError` naming the pages needed and free, nothing
+    changed. The per-row fields are `rows.fork_rows`'."""
+    pages = cache.pages
+    table, refs = np.asarray(pages.table).copy(), np.asarray(pages.refs).copy()
+    length = np.asarray(cache.length)
+    ps, keep = pages.page_size, cache.max_rewind
+    for d in dst:  # a destination starts from nothing
+        held = table[d][table[d] >= 0]
+        np.subtract.at(refs, held, 1)
+        table[d] = -1
+    copies: list[tuple[int, int]] = []  # (source page, new page)
+    for s, d in zip(src.tolist(), dst.tolist()):
+        filled = -(-int(length[s]) // ps)
+        shared = max(0, int(length[s]) - keep) // ps
+        free = np.flatnonzero(refs == 0)
+        if filled - shared > free.size:
+            raise ValueError(f"pages: expected a pool with {filled - shared} free pages of {ps} tokens to fork row "
+                             f"{s} into row {d} ({shared} of its {filled} pages shared), got {free.size} free of "
+                             f"{pages.num_pages}; make the cache with more num_pages, or free rows with reset_rows")
+        table[d, :shared] = table[s, :shared]
+        refs[table[s, :shared]] += 1
+        taken = free[:filled - shared]
+        table[d, shared:filled] = taken
+        refs[taken] = 1
+        copies += list(zip(table[s, shared:filled].tolist(), taken.tolist()))
+    new_pages = pages.replace(table=table, refs=refs)
+    if not copies:
+        return cache.replace(pages=new_pages)
+    frm, to = (jnp.asarray(np.array(c, np.int32)) for c in zip(*copies))
+
+    def copied(state):
+        if state is None:
+            return None
+        return state.replace(entries=jax.tree.map(lambda a: jnp.asarray(a).at[to].set(jnp.asarray(a)[frm]),
+                                                  state.entries))
+
+    return cache.replace(pages=new_pages, compressor=copied(cache.compressor), indexer=copied(cache.indexer))

@@ -22,7 +22,7 @@ import numpy as np
 
 from dsv4_jax.backend import to_host_memory
 from dsv4_jax.cache import paged
-from dsv4_jax.cache.contiguous import AttentionCache, advance_length
+from dsv4_jax.cache.contiguous import AttentionCache, advance_length, advance_rewindable
 from dsv4_jax.layer import validation
 from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step.pure_step import step_for, step_function
@@ -83,15 +83,17 @@ def _not_deleted() -> bool:
     return False
 
 
-def _with(cache: AttentionCache, layer_idx: int, length) -> AttentionCache:
-    """``cache.replace(layer_idx=..., length=...)`` without `dataclasses.replace`'s field walk
-    (a copy of the instance's fields; only for `AttentionCache` itself, which has no
-    ``__post_init__``)."""
+def _with(cache: AttentionCache, layer_idx: int, length, rewindable=None) -> AttentionCache:
+    """``cache.replace(layer_idx=..., length=...)`` (and `rewindable` where given) without
+    `dataclasses.replace`'s field walk (a copy of the instance's fields; only for
+    `AttentionCache` itself, which has no ``__post_init__``)."""
+    extra = {} if rewindable is None else {"rewindable": rewindable}
     if type(cache) is not AttentionCache:
-        return cache.replace(layer_idx=layer_idx, length=length)
+        return cache.replace(layer_idx=layer_idx, length=length, **extra)
     fields = cache.__dict__.copy()
     fields["layer_idx"] = layer_idx
     fields["length"] = length
+    fields.update(extra)
     new = object.__new__(AttentionCache)
     object.__setattr__(new, "__dict__", fields)
     return new
@@ -280,7 +282,9 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
     # compiled step's identity, so that layers of one type share one program.
     # The step gets the device copy of the host length mirror where this layer made one
     # (uploading the NumPy mirror would cost more dispatch time than the checks save).
-    anonymous = _with(cache, -1, device_length)
+    # A cache with a rewind history: its count of rewindable tokens is a host mirror too.
+    rewindable = cache.rewindable
+    anonymous = _with(cache, -1, device_length, None if rewindable is None else _device_length(rewindable))
     held = None if memo is None else memo.weights
     if held is not None and held[0].holds():
         weights = held[1]  # what `step_weights()` returns while the probe holds, without its lookups
@@ -309,7 +313,12 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
         validation.reject_non_finite("hidden_states", hidden_states, ran=True, dtype=spec.dtype)
     device_length = new_cache.length
     _remember_device_length(mirror, device_length, after)
-    new_cache = _with(new_cache, cache.layer_idx, mirror)
+    rewindable_mirror = None
+    if rewindable is not None:  # advanced by the step's rule (`advance_rewindable`), on the host
+        rewindable_mirror = advance_rewindable(np.asarray(rewindable, np.int32), mirror - np.asarray(before, np.int32),
+                                               max_rewind=cache.max_rewind)
+        _remember_device_length(rewindable_mirror, new_cache.rewindable)
+    new_cache = _with(new_cache, cache.layer_idx, mirror, rewindable_mirror)
     if cache.pages is not None:  # the step leaves the table as it was: keep the host one
         new_cache = new_cache.replace(pages=cache.pages)
     if memo is not None:

@@ -274,7 +274,8 @@ class DeepseekV4Attention(nnx.Module):
     # ------------------------------------------------------------------ public API
     def init_cache(self, batch_size: int, max_seq_len: int, dtype=None, *,
                    allow_long_context: bool = False, kv_cache_dtype: str = "auto",
-                   page_size: int | None = None, num_pages: int | None = None) -> AttentionCache:
+                   max_rewind: int = 0, page_size: int | None = None,
+                   num_pages: int | None = None) -> AttentionCache:
         """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
         dtype: the cache dtype; defaults to the layer's compute dtype, which is `dtype`, else
@@ -297,6 +298,11 @@ class DeepseekV4Attention(nnx.Module):
         `reset_rows` gives them back; under your own jit, `dsv4_jax.reserve_pages` first. Give
         every layer of a stack the same batch, max_seq_len, page_size and num_pages: their
         caches then hold one page table.
+        max_rewind: K >= 0, the most tokens a row can take back with `dsv4_jax.rewind_rows`
+        (speculative decoding: the rejected drafts). K > 0 keeps, per ring, the K tokens it last
+        evicted (`dsv4_jax.cache.history`): K rows of the window's and of each compressor ring's
+        width a batch row, and the step writes up to ``min(K, S)`` of them more per ring; 0 (the
+        default) keeps nothing and costs nothing.
         """
         dtype = validation.check_float_dtype("dtype", dtype, allow_none=True)
         dtype = dtype or self.compute_dtype
@@ -309,7 +315,7 @@ class DeepseekV4Attention(nnx.Module):
                              f"for a layer with a mesh, got page_size={page_size!r}")
         cache = init_attention_cache(self.config, self.layer_idx, batch_size, max_seq_len, dtype,
                                      allow_long_context=allow_long_context, kv_cache_dtype=kv_cache_dtype,
-                                     page_size=page_size, num_pages=num_pages)
+                                     max_rewind=max_rewind, page_size=page_size, num_pages=num_pages)
         cache = cache.replace(numerics=self.numerics)  # its rows will hold this numerics' rounding
         # On a mesh: batch-sharded over its "data" axis (`ValueError` naming batch_size if it does not split).
         return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh, self.sharding_rules)

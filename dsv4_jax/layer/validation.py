@@ -81,7 +81,7 @@ def cache_structure(cache: Any) -> tuple | None:
         window, length = cache.window, cache.length
         key = (type(length), length.shape, length.dtype, cache.layer_idx, cache.layer_type, cache.max_seq_len,
                cache.numerics, type(window), window.shape, window.dtype, _state_key(cache.compressor),
-               _state_key(cache.indexer), _pages_key(cache.pages))
+               _state_key(cache.indexer), _rewind_key(cache), _pages_key(cache.pages))
         hash(key)
     except Exception:  # not arrays where the cache holds them: the checks word it
         return None
@@ -100,8 +100,18 @@ def _state_key(state) -> tuple | None:
     """The shapes and dtypes of a compressor state's arrays (None for no state)."""
     if state is None:
         return None
-    entries, buffer = state.entries, state.buffer
-    return type(entries), entries.shape, entries.dtype, buffer.shape, buffer.dtype
+    entries, buffer, history = state.entries, state.buffer, state.history
+    return (type(entries), entries.shape, entries.dtype, buffer.shape, buffer.dtype,
+            None if history is None else (history.shape, history.dtype))
+
+
+def _rewind_key(cache) -> tuple | None:
+    """The shapes and dtypes of a cache's rewind history and count (None without them)."""
+    history, count = cache.window_history, cache.rewindable
+    if history is None and count is None:
+        return None
+    return (type(history), getattr(history, "shape", None), getattr(history, "dtype", None), type(count),
+            getattr(count, "shape", None), getattr(count, "dtype", None))
 
 
 # (config, layer index, numerics, `cache_structure`) of the caches `check_cache` accepted: the
@@ -164,7 +174,7 @@ def check_cache(attn, cache: Any) -> None:
     pages = cache.pages
     paging = {} if pages is None else {"page_size": pages.page_size, "num_pages": int(np.shape(pages.refs)[0])}
     expected = expected_cache(attn.config, attn.layer_idx, batch, int(max_seq_len), jnp.dtype(dtype),
-                              "fp8" if is_quantized(cache) else "auto", **paging)
+                              "fp8" if is_quantized(cache) else "auto", _history_slots(cache), **paging)
     got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(cache.replace(length=None))
     want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(
         expected.replace(length=None, numerics=cache.numerics))  # the numerics: checked above
@@ -187,14 +197,23 @@ def _dims(shape) -> str:
     return "[B, " + ", ".join(map(str, shape[1:])) + "]"
 
 
+def _history_slots(cache) -> int:
+    """The `max_rewind` a cache was made with, as far as its window history tells (0 without
+    one; a history of another form is then refused against the expected pytree)."""
+    shape = getattr(cache.window_history, "shape", None)
+    return int(shape[1]) if shape is not None and len(shape) == 3 else 0
+
+
 @functools.lru_cache(maxsize=64)
 def expected_cache(cfg, layer_idx: int, batch: int, max_seq_len: int, dtype, kv_cache_dtype: str,
-                   page_size: int | None = None, num_pages: int | None = None) -> AttentionCache:
+                   max_rewind: int = 0, page_size: int | None = None,
+                   num_pages: int | None = None) -> AttentionCache:
     """The shapes and dtypes (`jax.ShapeDtypeStruct` leaves) of the cache that `init_cache` makes
     for layer `layer_idx` of `cfg`: the one complete spec a cache is checked against."""
     return jax.eval_shape(lambda: init_attention_cache(cfg, layer_idx, batch, max_seq_len, dtype,
                                                        allow_long_context=True, kv_cache_dtype=kv_cache_dtype,
-                                                       page_size=page_size, num_pages=num_pages))
+                                                       max_rewind=max_rewind, page_size=page_size,
+                                                       num_pages=num_pages))
 
 
 def _deleted(value: Any) -> bool:

@@ -94,8 +94,10 @@ class KernelPlan:
     """The implementation of each kernel-backed stage of a step (hashable; see the module doc).
 
     select:            "auto" | "native" | "xla"  the indexer's scoring + top-k
-    decode_attention:  "auto" | "pallas" | "interpret" | "xla"  sparse attention, one query a row
-    prefill_attention: the same, for calls of several queries a row
+    decode_attention:  "auto" | "pallas" | "interpret" | "xla"  sparse attention, calls of up to
+                       8 queries a row (a decode token, a speculative step's drafts:
+                       `sparse_attention.pallas.phase_of`)
+    prefill_attention: the same, for calls of more queries a row
     compress:          the same, for the compressors' decode pooling
     query_norm:        the same, for the queries' per-head RMSNorm and RoPE and their gradient
                        (`head_norm_kernel`; "auto": for calls of several queries a row)

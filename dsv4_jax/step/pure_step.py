@@ -41,11 +41,13 @@ from dsv4_jax.cache.contiguous import (
     AttentionCache,
     CompressorCache,
     advance_length,
+    advance_rewindable,
     insert_ring,
     next_positions,
     overflows,
     real_tokens,
 )
+from dsv4_jax.cache.history import keep_evicted
 from dsv4_jax.cache.quantized import check_cache_numerics, read, read_picked
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_jax.ops.compress.reference import CompressorWeights, compress, visible_entries
@@ -142,6 +144,7 @@ class StageOutputs:
     indexer: CompressorCache | None = None
     picks: Array | None = None  # [B, S, K] int32, -1 = nothing (CSA)
     index_scores: Array | None = None  # [B, S, T] float32 (CSA, only when intermediates are asked)
+    window_history: Array | None = None  # [B, K, D] the window ring's rewind history (max_rewind > 0)
 
 
 @struct.dataclass
@@ -286,7 +289,9 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     with jax.named_scope("wq_b_kv_insert"):
         q, kv, window = wq_b_kv_insert(inputs.q_residual, inputs.kv, cache.window, positions, length,
                                        weights.q_b_proj, spec, rotations.attention, round_kv, frozen, count)
-    out = StageOutputs(q=q, kv=kv, window=window)
+    # With a rewind history (`max_rewind` > 0), the window tokens this insert evicts.
+    window_history = keep_evicted(cache.window_history, cache.window, kv, length, frozen, count)
+    out = StageOutputs(q=q, kv=kv, window=window, window_history=window_history)
     if spec.layer_type == SLIDING:
         return out
 
@@ -459,8 +464,10 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
         out = finite_flag.joined(out, flag)
 
     new_length = jnp.where(overflow, length, advance_length(length, count))
-    new_cache = paged.unbind(cache.replace(length=new_length, window=stages.window,
-                                           compressor=stages.compressor, indexer=stages.indexer))
+    new_cache = paged.unbind(cache.replace(
+        length=new_length, window=stages.window, window_history=stages.window_history,
+        compressor=stages.compressor, indexer=stages.indexer,
+        rewindable=advance_rewindable(_on_device(cache.rewindable), count, overflow, cache.max_rewind)))
     intermediates = None
     if spec.return_intermediates:
         def padded_zero(a):  # padded slots' queries, keys and masses are 0 (nothing was attended)
@@ -475,6 +482,11 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
             visible_entries=visible,
         )
     return out, new_cache, intermediates
+
+
+def _on_device(mirror):
+    """A host mirror (a NumPy [B] int32 the step may be handed) as a JAX array; None stays None."""
+    return None if mirror is None else jnp.asarray(mirror, jnp.int32)
 
 
 def check_in_graph(length, positions, max_seq_len: int) -> None:

@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsv4_jax.cache.contiguous import AttentionCache
+from dsv4_jax.cache.contiguous import HOST_MIRRORS, AttentionCache
 
 DATA = "data"
 MODEL = "model"
@@ -323,9 +323,12 @@ def shard_cache(cache: AttentionCache, mesh, rules=None) -> AttentionCache:
     def place(a, spec):
         return jax.device_put(a, NamedSharding(mesh, spec))
 
-    length = cache.length  # a NumPy host mirror stays on the host; a device length is placed
-    placed = jax.tree.map(place, cache.replace(length=None), specs.replace(length=None))
-    return placed.replace(length=length if isinstance(length, np.ndarray) else place(length, specs.length))
+    # The host mirrors (the length, a rewind count) stay on the host; device values are placed.
+    mirrors = {name: getattr(cache, name) for name in HOST_MIRRORS}
+    none = dict.fromkeys(HOST_MIRRORS)
+    placed = jax.tree.map(place, cache.replace(**none), specs.replace(**none))
+    return placed.replace(**{name: mirror if mirror is None or isinstance(mirror, np.ndarray)
+                             else place(mirror, getattr(specs, name)) for name, mirror in mirrors.items()})
 
 
 # ---------------------------------------------------------------------------- the step's constraints

@@ -222,3 +222,55 @@ def test_bad_paging_arguments_are_refused():
         dsv4_jax.reserve_pages(cache, -1)
     with pytest.raises(TypeError, match="pages are taken eagerly"):
         jax.jit(lambda c: dsv4_jax.reserve_pages(c, 4))(cache)
+
+
+# ---------------------------------------------------------------------------- shared prefixes, rewind
+@LAYERS
+def test_a_forked_paged_row_shares_its_prefix_and_rewinds_like_the_contiguous_cache(layer):
+    """A prompt in row 0 forked into row 1 (a shared system prompt), speculative steps of 3
+    drafts in both rows with different rewinds: the contiguous cache's outputs and rows, bit
+    for bit (on it a fork copies and a rewind is the never-written cache:
+    tests/cache/test_rewind_fork.py); the prefix's full pages shared, none leaked."""
+    attn = helpers.random_layer(CFG, layer, seed=3)
+    x = _inputs(tokens=64)
+    outs = {}
+    for kind, paging in (("contiguous", {}), ("paged", dict(page_size=PAGE, num_pages=8))):
+        cache = attn.init_cache(2, MAX_SEQ, max_rewind=4, **paging)
+        prompt = np.where(np.arange(40)[None] < np.array([[40], [0]]), np.arange(40), -1).astype(np.int32)
+        out, cache = attn(jnp.asarray(x[:, :40]), jnp.asarray(prompt), cache)  # row 1 waits
+        cache = dsv4_jax.fork_rows(cache, 0, 1)
+        if kind == "paged":  # 40 tokens, 4 kept for rewind: pages 0-1 shared, page 2 copied
+            table, refs = cache.pages.table, cache.pages.refs
+            assert table[1, :2].tolist() == table[0, :2].tolist() and table[1, 2] != table[0, 2]
+            assert refs[table[0, :2]].tolist() == [2, 2] and cache.pages.free == 8 - 4
+        runs = []
+        for step, back in enumerate(([2, 0], [1, 3], [0, 0])):
+            drafts = np.stack([x[0, 40 + 3 * step:43 + 3 * step], x[1, 50 + 3 * step:53 + 3 * step]])
+            out, cache = attn(jnp.asarray(drafts), None, cache)
+            runs.append(np.asarray(out))
+            cache = dsv4_jax.rewind_rows(cache, [0, 1], np.array(back))
+            runs.append(cache)
+        outs[kind] = runs
+    for i, (got, want) in enumerate(zip(outs["paged"], outs["contiguous"])):
+        if isinstance(want, np.ndarray):
+            np.testing.assert_array_equal(got, want, err_msg=f"step {i // 2}")
+        else:
+            _assert_same_cache(got, want, f"after rewind {i // 2}")
+    final = outs["paged"][-1]
+    paged.check_pages(final.pages)
+    assert reset_rows(final, [0, 1]).pages.free == 8
+
+
+def test_forking_into_a_short_pool_is_refused_and_changes_nothing():
+    attn = helpers.random_layer(CFG, 1, seed=3)
+    cache = attn.init_cache(3, MAX_SEQ, page_size=PAGE, num_pages=4)
+    x = _inputs(batch=3, tokens=40)
+    rows = np.where(np.arange(40)[None] < np.array([[40], [0], [0]]), np.arange(40), -1).astype(np.int32)
+    _, cache = attn(jnp.asarray(x), jnp.asarray(rows), cache)  # row 0: 3 pages, 1 free
+    forked = dsv4_jax.fork_rows(cache, 0, 1)  # 2 full pages shared, the partial one copied: 0 free
+    with pytest.raises(ValueError, match=r"pages: expected a pool with 1 free pages of 16 tokens to fork row 0 "
+                                         r"into row 2 \(2 of its 3 pages shared\), got 0 free of 4"):
+        dsv4_jax.fork_rows(forked, 0, 2)
+    assert forked.pages.free == 0 and np.asarray(forked.length).tolist() == [40, 40, 0]
+    with pytest.raises(TypeError, match="forking a paged cache takes pages"):
+        jax.jit(lambda c: dsv4_jax.fork_rows(c, 0, 2))(cache)

@@ -89,7 +89,8 @@ def test_the_layer_trains_through_the_backward_kernel_or_the_xla_vjp_alike():
     q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=20, k=6, dtype=jnp.float32, s=7)
 
     def grads(backward):
-        plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1), attention_backward=backward)
+        plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1), decode_attention="interpret",
+                          decode_blocks=(4, 2, 4, 1), attention_backward=backward)  # 7 queries a row: "decode"
 
         def loss(q, pool, sinks, entries):
             o = sa.sparse_attention(q, pool, widx, sinks, **dict(kwargs, entries=entries), kernels=plan,
@@ -116,7 +117,8 @@ def test_the_output_rotation_differentiates_as_rotating_afterwards(kind, output_
     freqs = np.asarray([0.9, 0.3, 0.05], np.float32)  # the trailing 6 of 16 channels rotate
     rotation = sa.OutputRotation(positions, freqs, 1.25)
     entries = kwargs.pop("entries", None)
-    plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1))
+    plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1), decode_attention="interpret",
+                      decode_blocks=(4, 2, 4, 1))  # 7 queries a row: the decode phase (`phase_of`)
 
     def loss(plan, rotated):
         def f(q, pool, sinks, entries):

@@ -154,7 +154,8 @@ def test_the_attention_differentiates_through_the_range_kernels(kind, monkeypatc
     monkeypatch.setattr(sabw, "sparse_attention_backward_wgmma", lambda *a, **k: calls.append(1) or by_ranges(*a, **k))
 
     def grads(backward, jit=False, plan=None, dtype=jnp.bfloat16):
-        plan = plan or KernelPlan(prefill_attention="interpret", attention_backward=backward)
+        plan = plan or KernelPlan(prefill_attention="interpret", decode_attention="interpret",
+                                  attention_backward=backward)  # 4 queries a row: the decode phase
         kw = {k: v.astype(dtype) if k == "entries" else v for k, v in kwargs.items()}
 
         def loss(q, pool, entries):

@@ -196,12 +196,14 @@ def test_the_default_blocks_equal_the_xla_path(kind, phase, batch, monkeypatch):
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("s", [1, 4], ids=["decode", "prefill"])
+@pytest.mark.parametrize("s", [1, 4, 9], ids=["decode", "drafts", "prefill"])
 def test_sparse_attention_chooses_the_kernel_only_where_asked(s, monkeypatch):
     """The path is chosen while tracing (the calls are traced only, `jax.eval_shape`); what the
-    kernel computes: the tests above."""
+    kernel computes: the tests above. Calls of up to 8 queries a row (a speculative step's
+    drafts) are decode steps."""
     q, pool, widx, sinks, kwargs = query_inputs("csa", b=1, h=4, d=8, w=4, t=6, k=3, dtype=jnp.float32, s=s)
-    stage, other = ("decode_attention", "prefill_attention") if s == 1 else ("prefill_attention", "decode_attention")
+    decode = s <= sak.DECODE_MAX_QUERIES
+    stage, other = ("decode_attention", "prefill_attention") if decode else ("prefill_attention", "decode_attention")
     calls = []
     real = sak.sparse_attention_kernel
     monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append(k) or real(*a, **k))
@@ -224,7 +226,7 @@ def test_sparse_attention_chooses_the_kernel_only_where_asked(s, monkeypatch):
 def test_forced_prefill_blocks_may_skip_masked_entry_blocks(monkeypatch):
     """A plan's forced blocks (`bench/stack.py --prefill-blocks BK,BH,WARPS,STAGES,1`): the forced
     kernel skips each row's entry blocks past its last pick, with the XLA path's result."""
-    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=40, k=16, dtype=jnp.float32, s=6)
+    q, pool, widx, sinks, kwargs = query_inputs("csa", b=2, h=4, d=8, w=8, t=40, k=16, dtype=jnp.float32, s=9)
     plan = KernelPlan(prefill_attention="interpret", prefill_blocks=(4, 2, 4, 1, 1))
     calls = []
     real = sak.sparse_attention_kernel
@@ -272,10 +274,44 @@ def test_golden_calls_through_the_kernel(small, layer, monkeypatch):
     assert decodes > 0 and traced  # decode calls ran, and their steps were traced with the kernel
 
 
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_several_tokens_a_row_run_the_decode_kernel(layer, monkeypatch):
+    """A speculative step (4 drafts a row, ragged: 4, 2 and 3 real) is a decode step for the
+    kernel: its blocks (the plan's decode blocks) with the key blocks split over programs and
+    merged by the split merge kernel, every query a row of its own; the layer's outputs equal
+    those of the XLA path (float32, interpret mode)."""
+    from flax import nnx
+
+    import dsv4_jax
+
+    cfg = dsv4_jax.DeepseekV4Config.tiny()
+    plan = KernelPlan(decode_attention="interpret", split_merge="interpret", decode_blocks=(4, 2, 4, 1))
+    calls = []
+    real = sak.sparse_attention_kernel
+    monkeypatch.setattr(sak, "sparse_attention_kernel", lambda *a, **k: calls.append((a[0].shape, k)) or real(*a, **k))
+    rng = np.random.default_rng(layer)
+    hidden = rng.normal(size=(3, 17, cfg.hidden_size)).astype(np.float32)
+    drafts = np.array([4, 2, 3])
+    positions = np.where(np.arange(4) < drafts[:, None], 13 + np.arange(4), -1).astype(np.int32)
+
+    def run(kernels):
+        attn = dsv4_jax.DeepseekV4Attention(cfg, layer, rngs=nnx.Rngs(layer), break_mode="none", kernels=kernels)
+        _, cache = attn(jnp.asarray(hidden[:, :13]), None, attn.init_cache(3, 32))
+        out, _ = attn(jnp.asarray(hidden[:, 13:]), positions, cache)
+        return np.asarray(out)
+
+    want = run("xla")
+    got = run(plan)
+    assert [shape[1] for shape, _ in calls] == [4]  # the prefill chunk kept the XLA path, the drafts did not
+    assert calls[0][1]["block_keys"] == 4 and calls[0][1]["merge"] == "interpret"
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=2e-5)
+
+
 FLASH_CASES = [  # (phase, B, S, blocks): a forced kernel's blocks, each CUDA default's, and
     # the forced prefill blocks skipping the masked entry blocks
     ("decode", 1, 1, "forced"), ("decode", 32, 1, "forced"), ("decode", 1, 1, "cuda_default"),
     ("decode", 8, 1, "cuda_default"), ("decode", 32, 1, "cuda_default"),
+    ("decode", 1, 4, "cuda_default"), ("decode", 8, 4, "cuda_default"),  # a speculative step's 4 drafts
     ("prefill", 2, 128, "forced"), ("prefill", 2, 128, "cuda_default"), ("prefill", 2, 128, "skip"),
 ]
 

@@ -181,7 +181,7 @@ def test_a_changed_plan_compiles_its_own_program(monkeypatch):
     cache = attn.init_cache(1, 16)
     want, _ = attn(x, None, cache)
     assert not traced
-    attn.kernels = KernelPlan(prefill_attention="interpret")
+    attn.kernels = KernelPlan(prefill_attention="interpret", decode_attention="interpret")  # 5 queries: "decode"
     got, _ = attn(x, None, cache)
     assert traced  # the kernel's program, compiled for the new plan
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)

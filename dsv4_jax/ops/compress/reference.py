@@ -33,6 +33,7 @@ from flax import struct
 
 from dsv4_jax.backend import Array, differentiated_as, namespace
 from dsv4_jax.cache.contiguous import CompressorCache, insert_ring
+from dsv4_jax.cache.history import keep_evicted
 from dsv4_jax.cache.quantized import write_rows
 from dsv4_jax.ops.compress import pallas as compressor_kernel
 from dsv4_jax.ops.norms import rms_norm
@@ -83,7 +84,8 @@ def compress(
     round_entries: None, or a function applied to the new entries after their norm and RoPE
                (the official numerics' rounding, `dsv4_jax.numerics`); the ring is not rounded
     returns    the state after the call: the entries of the windows this call completes are
-               written at rows ``length // m ..``, the call's tokens into the ring.
+               written at rows ``length // m ..``, the call's tokens into the ring (and the
+               tokens they evict into the ring's history, where the state keeps one).
 
     The stream can touch ``L = (m - 1 + S) // m + 1`` windows. At most ``P = L - 1`` of them
     can complete (``(length % m + count) // m <= (m - 1 + S) // m``), so only the first P are
@@ -114,6 +116,8 @@ def compress(
 
     projected = xp.concatenate([kv, gate.astype(kv.dtype)], axis=-1)  # [B, S, 2*n*Dc]: one ring write
     ring = insert_ring(state.buffer, projected, length, frozen, count)
+    # With a rewind history, the tokens this write evicts (read from the ring before it).
+    history = keep_evicted(state.history, state.buffer, projected, length, frozen, count)
     if seq == 1:
         pooled = _pool_one_token(ring, first_entry, completed > 0, position_bias, m, overlap, dtype, kernel)
     else:
@@ -132,7 +136,7 @@ def compress(
         write = write & ~frozen[:, None]
     write_at = xp.where(write, first_entry[:, None] + j, state.entries.shape[1])
     entries = write_rows(state.entries, write_at, pooled)  # quantized where the entries are FP8
-    return state.replace(entries=entries, buffer=ring)
+    return state.replace(entries=entries, buffer=ring, history=history)
 
 
 def _pool(windows: Array, before: Array, first_entry: Array, position_bias: Array, overlap: bool, dtype) -> Array:

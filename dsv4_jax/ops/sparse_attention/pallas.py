@@ -82,9 +82,19 @@ FORCED_BLOCKS = {"decode": (BLOCK_KEYS, BLOCK_HEADS, NUM_WARPS, NUM_STAGES), "pr
                  "prefill_float32": (32, 32, 8, 1)}
 
 
+# Queries a row up to which a call is a decode step for the kernel: a decode token, or the few
+# of a speculative step (MTP drafts, their verification: at most 8 a row).
+DECODE_MAX_QUERIES = 8
+
+
 def phase_of(q: Array) -> str:
-    """"decode" for one query per row, else "prefill"."""
-    return "decode" if q.shape[1] == 1 else "prefill"
+    """"decode" for calls of at most `DECODE_MAX_QUERIES` queries a row (q [B, S, H, D]), else
+    "prefill". The kernel is the same for both (every query a row of its own); the phase picks
+    the plan's choice (``decode_attention``), blocks and table: a decode step's key blocks split
+    over programs where its few rows alone would leave the GPU idle (`default_splits`), merged
+    after (`combine` or the split merge kernel). A call of several queries a row takes the
+    decode table's blocks measured at one query a row."""
+    return "decode" if q.shape[1] <= DECODE_MAX_QUERIES else "prefill"
 
 
 def default_blocks(kind: str, batch: int, phase: str = "decode", queries: int = 1,
