@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "bench" / "RESULTS.md"
 H200 = "1x NVIDIA H200 (`nvidia-h200`), jax 0.11.2, Python 3.12.3"
+H100 = "1x NVIDIA H100 80GB HBM3 (`nvidia-h100-x1`), jax 0.11.2, Python 3.12.3"
 H200X2 = "2x NVIDIA H200, NVLink (`nvidia-h200-x2`), jax 0.11.2, Python 3.12.3"
 CPU = "2-core shared dev box (CPU), jax 0.10.2, Python 3.11"
 
@@ -146,6 +147,18 @@ def ragged(records: list[dict]) -> Iterator[Row]:
                    f"{r['ragged_vs_padded']:.2f}x the padded call", "")
 
 
+def loops(records: list[dict]) -> Iterator[Row]:
+    """bench/loops.py: the decode loops users write, side by side in one process (issue 68)."""
+    for r in records:
+        case = f"{r['stack']} x{r['n_layers']}, B = {r['batch']}, {_ctx(r['context_len'])}: {r['loop']}"
+        if r.get("error"):
+            yield case, "not run", str(r["error"]).split(":")[0]
+        else:
+            yield (case, f"{r['per_layer_ms']:.3f} ms a layer, {r['ratio_to_same_buffers']:.2f}x the same-buffers "
+                         f"loop ({r['ratio_to_floor']:.2f}x the bytes floor)",
+                   f"host {r['host_dispatch_ms']:.2f} ms a step")
+
+
 # The cited records: (scenario, record under bench/results/, command, machine, commit that added it, extractor).
 SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row]]]] = [
     ("Stacks of 4 layers on the same buffers (decode, prefill), the module call",
@@ -207,6 +220,16 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "h200x2_sharded_2026-12-01.json",
      "python3 bench/sharded.py --size flash --xla-dump DIR --vlog LOG",
      H200X2, "7f89b0d", sharded),
+    ("Decode loops as users write them: same buffers, the usual steps, nnx.jit, jit_modules, module calls",
+     "h100_loops_2026-12-07.json",
+     "bash bench/gpu.sh loops  (python3 bench/loops.py --size flash --stacks csa,hca --batches 1,8,32 "
+     "--contexts 2048,16384,131072)",
+     H100, "a385271", loops),
+    ("Decode loops as users write them, at 1M tokens",
+     "h100_loops_2026-12-07_1m.json",
+     "CONTEXTS=1048576 BATCHES=1,8 bash bench/gpu.sh loops",
+     H100 + "; the module calls of CSA B = 8 ran out of the H100's memory (the calls keep two caches)",
+     "a385271", loops),
     ("Ragged batches (CPU, small size, float32; a CI run shared the cores)",
      "cpu_small_ragged.json",
      "python bench/ragged.py --size small",
