@@ -127,7 +127,7 @@ class PagedRows:
     def view(self):
         """The entries [B, T, D] as a contiguous cache holds them (zeros where no page is held:
         a page is zeroed when taken). A gather of every held page's rows."""
-        xp = namespace(self.table)
+        xp = namespace(self.table, *jax.tree.leaves(self.pool))  # NumPy only in a host break's twin
         index = xp.broadcast_to(xp.arange(self.slots, dtype=np.int32)[None], (self.table.shape[0], self.slots))
         rows = self.take(index)
         held = self.physical(index) < self.pool.shape[0] * self.page_entries

@@ -274,3 +274,23 @@ def test_forking_into_a_short_pool_is_refused_and_changes_nothing():
     assert forked.pages.free == 0 and np.asarray(forked.length).tolist() == [40, 40, 0]
     with pytest.raises(TypeError, match="forking a paged cache takes pages"):
         jax.jit(lambda c: dsv4_jax.fork_rows(c, 0, 2))(cache)
+
+
+def test_gradients_through_a_paged_cache_equal_the_contiguous_caches():
+    """jax.grad of a prefill chunk on a cache holding a prompt, w.r.t. the weights and the input:
+    the same through the pages (their gathers and scatters) as through the contiguous rows."""
+    attn = helpers.random_layer(CFG, 1, seed=3, break_mode="none")
+    x = _inputs(tokens=40)
+    spec = attn.step_spec()
+    grads = {}
+    for kind, paging in (("contiguous", {}), ("paged", dict(page_size=PAGE))):
+        cache = _calls(attn, attn.init_cache(2, MAX_SEQ, **paging), x, schedule=(30,))[-1][2]
+        cache = dsv4_jax.reserve_pages(cache, 10) if paging else cache
+        cache = cache.replace(length=jnp.asarray(cache.length))
+
+        def loss(weights, hidden, cache=cache):
+            out, _, _ = dsv4_jax.attention_step(weights, cache, hidden, None, spec)
+            return jnp.sum(out * out)
+
+        grads[kind] = jax.jit(jax.grad(loss, argnums=(0, 1)))(attn.weights(), jnp.asarray(x[:, 30:40]))
+    helpers.assert_trees_close(grads["paged"], grads["contiguous"], "gradients", rtol=1e-6, atol=1e-7)
