@@ -119,7 +119,10 @@ class PagedRows:
     def take(self, index: Array):
         """The rows at `index` [B, n] (entry slots; out of range or unheld: pool row 0, which
         the readers mask) in the pool's form: [B, n, D] array or `QuantizedRows`."""
-        flat = self.physical(index)
+        return self._gather(self.physical(index))
+
+    def _gather(self, flat: Array):
+        """The pool's rows `flat` [B, n] (`physical`; past the pool: row 0) in the pool's form."""
         rows = self.pool.shape[0] * self.page_entries
         at = namespace(flat).minimum(flat, rows - 1)
         return jax.tree.map(lambda a: a.reshape(rows, *a.shape[2:])[at], self.pool)
@@ -129,8 +132,9 @@ class PagedRows:
         a page is zeroed when taken). A gather of every held page's rows."""
         xp = namespace(self.table, *jax.tree.leaves(self.pool))  # NumPy only in a host break's twin
         index = xp.broadcast_to(xp.arange(self.slots, dtype=np.int32)[None], (self.table.shape[0], self.slots))
-        rows = self.take(index)
-        held = self.physical(index) < self.pool.shape[0] * self.page_entries
+        flat = self.physical(index)
+        rows = self._gather(flat)
+        held = flat < self.pool.shape[0] * self.page_entries
         return jax.tree.map(lambda a: xp.where(held.reshape(*held.shape, *([1] * (a.ndim - 2))), a,
                                                xp.zeros((), a.dtype)), rows)
 
