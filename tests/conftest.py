@@ -21,6 +21,12 @@ import jax
 import pytest
 from helpers import GOLDEN_FILES, JOBS, Golden, load_golden
 
+# Every test is a rank-promotion test: the package spells out every broadcast, so the whole suite
+# (every layer type, break mode, cache kind and numerics it runs) runs under JAX's strictest
+# broadcasting setting, where an implicit rank promotion is an error
+# (tests/layer/test_rank_promotion.py checks that the setting holds).
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "background(name): the test reads the job `name` of helpers.JOBS")

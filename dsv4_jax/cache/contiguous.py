@@ -147,7 +147,7 @@ def next_positions(length: Array, seq: int) -> Array:
     NumPy in, NumPy out (the host mirror); JAX in, JAX out."""
     if isinstance(length, np.ndarray):
         return (length[:, None] + np.arange(seq, dtype=np.int32)).astype(np.int32)
-    return jnp.asarray(length, jnp.int32)[:, None] + jnp.arange(seq, dtype=jnp.int32)
+    return jnp.asarray(length, jnp.int32)[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
 
 def advance_length(length: Array, new_tokens) -> Array:
