@@ -51,6 +51,7 @@ import numpy as np
 
 from dsv4_jax import native
 from dsv4_jax.cache.contiguous import AttentionCache, CompressorCache
+from dsv4_jax.cache.paged import PageTable
 from dsv4_jax.cache.quantized import QuantizedRows
 from dsv4_jax.layer.module import DeepseekV4Attention
 from dsv4_jax.ops.compress.reference import CompressorWeights
@@ -58,7 +59,7 @@ from dsv4_jax.ops.indexer.reference import IndexerWeights
 from dsv4_jax.step.pure_step import AttentionWeights, Intermediates, StepSpec, attention_step
 
 PYTREES = (AttentionWeights, CompressorWeights, IndexerWeights, AttentionCache, CompressorCache, QuantizedRows,
-           Intermediates)
+           PageTable, Intermediates)
 
 # The native targets an exported step may call (see `dsv4_jax.native`): the graph-compatible
 # selection of break_mode="none" (native_kernels=True) and the eager device break of "narrow".

@@ -76,15 +76,32 @@ def test_exported_decode_step_continues_a_cache():
     _assert_trees_equal(new_cache.replace(length=np.asarray(new_cache.length)), cache_ref, "decode cache")
 
 
+def test_an_exported_decode_step_runs_on_a_paged_cache():
+    """The same step on a paged cache: the pages reserved before the call (nothing takes pages
+    inside a compiled step), the layer's own call's output and cache."""
+    attn = random_layer(TINY, LAYER[CSA], seed=6, break_mode="none", kernels="xla")
+    x, positions = _inputs()
+    _, cache = attn(x, positions, attn.init_cache(BATCH, MAX_LEN, page_size=16))
+    cache = dsv4_jax.reserve_pages(cache, 1)
+    x1, p1 = _inputs(1, start=N)
+    step = deserialize_step(serialize_step(export_step(attn, x1.shape, cache)))
+    out, new_cache, _ = step.call(attn.weights(), cache, jnp.asarray(x1), jnp.asarray(p1))
+    out_ref, cache_ref = attn(x1, p1, cache)
+    _assert_trees_equal(out, out_ref, "decode out")
+    _assert_trees_equal(new_cache.replace(length=np.asarray(new_cache.length), pages=cache_ref.pages), cache_ref,
+                        "decode cache")
+
+
 def test_every_library_pytree_round_trips():
-    """All seven pytrees (static fields included) as the inputs and outputs of an exported function
-    (an FP8 cache brings `QuantizedRows`)."""
+    """All eight pytrees (static fields included) as the inputs and outputs of an exported function
+    (a paged FP8 cache brings `QuantizedRows` and `PageTable`)."""
     attn = random_layer(TINY, LAYER[CSA], seed=5, break_mode="none", kernels="xla", numerics="official")
-    cache = attn.init_cache(BATCH, MAX_LEN, kv_cache_dtype="fp8").replace(layer_idx=1)
+    cache = attn.init_cache(BATCH, MAX_LEN, kv_cache_dtype="fp8", page_size=16).replace(layer_idx=1)
     inter = dsv4_jax.Intermediates(*[np.full((2,), i, np.float32) for i in range(10)])
     trees = (attn.weights(), cache, inter)
     w = trees[0]
-    assert {type(n) for n in (w, w.compressor, w.indexer, cache, cache.indexer, cache.window, inter)} == set(PYTREES)
+    nodes = (w, w.compressor, w.indexer, cache, cache.indexer, cache.window, cache.pages, inter)
+    assert {type(n) for n in nodes} == set(PYTREES)
     exported = jax.export.export(jax.jit(lambda *t: t))(*trees)
     back = deserialize_step(serialize_step(exported))
     assert back.in_tree == jax.tree.structure((trees, {})) and back.out_tree == jax.tree.structure(trees)
