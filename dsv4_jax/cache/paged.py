@@ -317,7 +317,8 @@ def row_limit(cache) -> Array | int:
     (`contiguous.overflows`)."""
     if cache.pages is None:
         return cache.max_seq_len
-    return jnp.minimum(cache.max_seq_len, jnp.asarray(cache.pages.capacity()))
+    capacity = cache.pages.capacity()  # NumPy in the wide break's host twin, else JAX
+    return namespace(capacity).minimum(cache.max_seq_len, capacity)
 
 
 def check_pages(pages: PageTable, what: str = "cache.pages") -> None:
