@@ -215,15 +215,10 @@ def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
     # traced rows become a [B] mask, which cannot be checked.
     idx = _traced_rows(rows, batch) if is_tracer(rows) else _host_rows(rows, batch)
     mirrors = {name: getattr(cache, name) for name in HOST_MIRRORS}
-    # A paged cache's pools are not per row: the rows give their pages back instead.
-    pools = {part: getattr(cache, part).entries for part in ("compressor", "indexer")
-             if cache.pages is not None and getattr(cache, part) is not None}
-    per_row = cache.replace(pages=None, **dict.fromkeys(HOST_MIRRORS),
-                            **{part: getattr(cache, part).replace(entries=None) for part in pools})
-    data = jax.tree.map(lambda a: _zero_rows(a, idx), per_row)
-    if cache.pages is not None:
-        data = data.replace(pages=paged.release(cache.pages, idx),
-                            **{part: getattr(data, part).replace(entries=pool) for part, pool in pools.items()})
+    data = paged.map_rows(lambda per_row: jax.tree.map(lambda a: _zero_rows(a, idx), per_row),
+                          cache.replace(**dict.fromkeys(HOST_MIRRORS)))
+    if cache.pages is not None:  # a paged cache's rows give their pages back instead
+        data = data.replace(pages=paged.release(cache.pages, idx))
     for name, mirror in mirrors.items():
         if mirror is None:
             continue

@@ -311,6 +311,19 @@ def release(pages: PageTable, rows) -> PageTable:
     return pages.replace(table=jnp.where(mask[:, None], -1, table), refs=refs - given)
 
 
+def map_rows(fn, cache):
+    """``fn`` of the cache's per-row fields: a paged cache's pools and page table (not per row:
+    `release`, `fork_pages` change them) are taken out before and put back after, as they
+    were; a contiguous cache goes to ``fn`` whole."""
+    if cache.pages is None:
+        return fn(cache)
+    pools = {part: getattr(cache, part).entries for part in ("compressor", "indexer")
+             if getattr(cache, part) is not None}
+    new = fn(cache.replace(pages=None, **{part: getattr(cache, part).replace(entries=None) for part in pools}))
+    return new.replace(pages=cache.pages,
+                       **{part: getattr(new, part).replace(entries=pool) for part, pool in pools.items()})
+
+
 def row_limit(cache) -> Array | int:
     """The most tokens each row may hold now: ``max_seq_len``, or for a paged cache [B] the
     tokens its pages hold (at most ``max_seq_len``). A step past it leaves the row unchanged

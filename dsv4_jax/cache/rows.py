@@ -209,7 +209,9 @@ def fork_rows(cache: AttentionCache, src, dst) -> AttentionCache:
         if traced or is_tracer(cache.pages.table):
             raise TypeError("cache: forking a paged cache takes pages, which is done eagerly (not under jax.jit)")
         cache = paged.fork_pages(cache, src_idx, dst_idx)
-    new = _fork_rows_of(cache.replace(**_device_mirrors(cache)), jnp.asarray(src_idx), jnp.asarray(dst_idx))
+    # The per-row fields; a paged cache's pools and table were forked by `paged.fork_pages`.
+    new = paged.map_rows(lambda rows: _fork(rows, jnp.asarray(src_idx), jnp.asarray(dst_idx)),
+                         cache.replace(**_device_mirrors(cache)))
 
     def copied(mirror):
         mirror = mirror.copy()
@@ -258,19 +260,6 @@ def _traced_pairs(src, dst, batch: int):
     # A source out of range copies nothing: its destination index is dropped too.
     dst = jnp.where((src >= 0) & (src < batch), dst, batch)
     return jnp.clip(src, 0, batch - 1), dst
-
-
-def _fork_rows_of(cache: AttentionCache, src, dst) -> AttentionCache:
-    """`_fork` of the per-row fields; a paged cache's pools and table (not per row, forked by
-    `paged.fork_pages`) kept as they are."""
-    if cache.pages is None:
-        return _fork(cache, src, dst)
-    pools = {part: getattr(cache, part).entries for part in ("compressor", "indexer")
-             if getattr(cache, part) is not None}
-    per_row = cache.replace(pages=None, **{part: getattr(cache, part).replace(entries=None) for part in pools})
-    new = _fork(per_row, src, dst)
-    return new.replace(pages=cache.pages,
-                       **{part: getattr(new, part).replace(entries=pool) for part, pool in pools.items()})
 
 
 @jax.jit
