@@ -23,6 +23,15 @@
 // A key channel is e2m1(code) * scale, computed in float32: exact, and exactly the value the
 // bf16 (or float32) cache holds, so the scores and picks equal those of the dequantized keys.
 //
+// The _paged targets read the keys straight from a paged cache's pool (dsv4_jax.cache.paged)
+// instead of keys [..., T, c] (or codes / scales [..., T, .]):
+//   keys       [N, c] (or key_codes [N, c / 2], key_scales [N, ceil(c / 32)]): the pool's
+//              pages, flattened (N = pages * E, E = the attribute page_entries)
+//   table      [..., P_row] int32: key t of batch row b is pool row table[b, t / E] * E + t % E;
+//              a page -1 (or outside the pool) reads as a zero key (score 0), as the pages'
+//              gathered view holds it. P_row * E >= T, T given by the scores output.
+// One reader for both layouts: the key-row address functors below (contiguous: the identity).
+//
 // Both targets have a last output, workspace [..., S, W] int32, for the CUDA top-k: W = 0 (one
 // block a row) or 2 * P * K, P > 1 segments a row, each taken by its own block (their K best
 // pairs are merged after). The caller chooses P (dsv4_jax.native.topk_segments); the CPU
@@ -73,6 +82,28 @@ DSV4_HOST_DEVICE inline uint32_t Fp4ValueBits(uint32_t code) {
 
 // float32 bits of a UE8M0 scale byte: 2 ** (byte - 127); 0 gives +0.0 (an empty cache row).
 DSV4_HOST_DEVICE inline uint32_t Fp4ScaleBits(uint32_t byte) { return byte << 23; }
+
+// Where key t of batch row b lives among the key rows a handler was given: contiguous keys
+// [rows, T, .] at row b * T + t (never missing)...
+struct ContiguousRows {
+  static constexpr bool kMayMiss = false;
+  int64_t slots = 0;
+  DSV4_HOST_DEVICE int64_t operator()(int64_t b, int64_t t) const { return b * slots + t; }
+};
+
+// ...or a paged pool [pages * E, .] at table[b, t / E] * E + t % E; -1 where the row holds no
+// page there (or the table points outside the pool): the readers take a zero key.
+struct PagedRows {
+  static constexpr bool kMayMiss = true;
+  const int32_t* table = nullptr;  // [rows, pages_per_row]
+  int64_t pages_per_row = 0;
+  int64_t entries = 1;  // E, entries a page
+  int64_t pages = 0;    // pages in the pool
+  DSV4_HOST_DEVICE int64_t operator()(int64_t b, int64_t t) const {
+    const int64_t page = table[b * pages_per_row + t / entries];
+    return page < 0 || page >= pages ? -1 : page * entries + t % entries;
+  }
+};
 
 }  // namespace dsv4
 
@@ -189,6 +220,36 @@ inline xla::ffi::Error ParseFp4Keys(xla::ffi::Span<const int64_t> codes, xla::ff
                                   std::to_string(expected) + " bytes a key for " + std::to_string(keys->back()) +
                                   " channels");
   }
+  return Error::Success();
+}
+
+// The operands of a _paged target: a pool of key rows [N, width] (the keys' own width, or the
+// codes' and scales'), its table [..., P_row] and page_entries E, and the scores output
+// [..., S, T]. `keys` gets the dims of the keys the pool stands for, [..., T, c] (c: `channels`,
+// the keys' width), `rows` the address functor.
+inline xla::ffi::Error ParsePagedKeys(xla::ffi::Span<const int64_t> pool, int64_t channels,
+                                      xla::ffi::Span<const int64_t> table, int64_t page_entries,
+                                      xla::ffi::Span<const int64_t> scores_out, const int32_t* table_data,
+                                      std::vector<int64_t>* keys, PagedRows* rows) {
+  using xla::ffi::Error;
+  if (pool.size() != 2 || page_entries < 1 || pool[0] % page_entries != 0) {
+    return Error::InvalidArgument("dsv4 select_topk: a paged pool must be [pages * page_entries, .], got " +
+                                  DimsToString(pool) + " with page_entries " + std::to_string(page_entries));
+  }
+  if (table.size() < 2 || scores_out.size() != table.size() + 1) {
+    return Error::InvalidArgument("dsv4 select_topk: page table " + DimsToString(table) +
+                                  " must be [..., P_row] for scores " + DimsToString(scores_out));
+  }
+  const int64_t slots = scores_out.back();
+  if (table.back() * page_entries < slots) {
+    return Error::InvalidArgument("dsv4 select_topk: page table " + DimsToString(table) + " of " +
+                                  std::to_string(page_entries) + " entries a page holds fewer than " +
+                                  std::to_string(slots) + " entries a row");
+  }
+  keys->assign(table.begin(), table.end() - 1);
+  keys->push_back(slots);
+  keys->push_back(channels);
+  *rows = PagedRows{table_data, table.back(), page_entries, pool[0] / page_entries};
   return Error::Success();
 }
 

@@ -1,5 +1,5 @@
 // CPU handlers of the indexer's selection (contract in select_topk.h; dense keys or an FP8
-// cache's packed FP4 keys), and the Python module
+// cache's packed FP4 keys, contiguous or in a paged cache's pool), and the Python module
 // `dsv4_jax._native_cpu` that hands their XLA FFI capsules to dsv4_jax/native.py.
 //
 // On the CPU there are no command buffers, so the "eager" and "graph" targets are one handler.
@@ -52,22 +52,29 @@ inline float BitsToFloat(uint32_t bits) {
   return out;
 }
 
-// Key rows as float32: dense keys [rows, slots, dim] of the queries' dtype...
-template <typename In>
+// Key rows as float32, read at the address `rows` gives (select_topk.h: contiguous keys, or a
+// paged pool's rows; a missing page reads as zeros): dense keys of the queries' dtype...
+template <typename In, typename Rows>
 struct DenseKeys {
-  const In* keys;
+  const In* keys;  // [key rows, dim]
+  Rows rows;
   void operator()(const SelectDims& d, int64_t b, int64_t t, float* out) const {
-    const In* row = keys + (b * d.slots + t) * d.dim;
+    const int64_t key = rows(b, t);
+    if (Rows::kMayMiss && key < 0) return std::fill(out, out + d.dim, 0.0f);
+    const In* row = keys + key * d.dim;
     for (int64_t i = 0; i < d.dim; ++i) out[i] = LoadF32(row, i);
   }
 };
 
 // ...or an FP8 cache's packed FP4 keys (select_topk.h): code value times the block's scale.
+template <typename Rows>
 struct Fp4Keys {
-  const uint8_t* codes;   // [rows, slots, dim / 2]
-  const uint8_t* scales;  // [rows, slots, ceil(dim / 32)]
+  const uint8_t* codes;   // [key rows, dim / 2]
+  const uint8_t* scales;  // [key rows, ceil(dim / 32)]
+  Rows rows;
   void operator()(const SelectDims& d, int64_t b, int64_t t, float* out) const {
-    const int64_t key = b * d.slots + t;
+    const int64_t key = rows(b, t);
+    if (Rows::kMayMiss && key < 0) return std::fill(out, out + d.dim, 0.0f);
     const uint8_t* c = codes + key * (d.dim / 2);
     const uint8_t* s = scales + key * ((d.dim + kFp4Block - 1) / kFp4Block);
     for (int64_t i = 0; i < d.dim; ++i) {
@@ -132,41 +139,100 @@ ffi::Error SelectFor(ffi::AnyBuffer& queries, ffi::Buffer<ffi::F32>& weights, ff
   }
 }
 
-ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
-                          ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
-                          ffi::Result<ffi::Buffer<ffi::F32>> scores,
-                          ffi::Result<ffi::AnyBuffer> /*workspace*/) {
-  SelectDims d;
-  if (ffi::Error e = ParseDims(&queries, weights.dimensions(), keys.dimensions(), visible.dimensions(),
-                               picks->dimensions(), scores->dimensions(), &d);
-      e.failure()) {
-    return e;
+// The selection over keys [..., T, c], or (`table` given) over a paged pool [N, c] with its
+// table [..., P_row] and `page_entries` (select_topk.h): one reader, two address functors.
+ffi::Error SelectDense(ffi::AnyBuffer& queries, ffi::Buffer<ffi::F32>& weights, ffi::AnyBuffer& keys,
+                       ffi::Buffer<ffi::S32>& visible, ffi::Result<ffi::Buffer<ffi::S32>>& picks,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& scores, const ffi::Buffer<ffi::S32>* table,
+                       int64_t page_entries) {
+  auto dims = keys.dimensions();
+  std::vector<int64_t> key_dims(dims.begin(), dims.end());
+  PagedRows paged;
+  if (table != nullptr) {
+    if (ffi::Error e = ParsePagedKeys(dims, dims.size() == 0 ? 0 : dims.back(), table->dimensions(), page_entries,
+                                      scores->dimensions(), table->typed_data(), &key_dims, &paged);
+        e.failure()) {
+      return e;
+    }
   }
-  if (queries.element_type() != keys.element_type()) {
-    return ffi::Error::InvalidArgument("dsv4 select_topk: queries and keys must share a dtype");
-  }
-  return SelectFor(queries, weights, visible, picks, scores, d, [&](auto in) {
-    using In = decltype(in);
-    return DenseKeys<In>{static_cast<const In*>(keys.untyped_data())};
-  });
-}
-
-// The selection over packed FP4 keys (select_topk.h): the same scores as over the keys they
-// stand for, dequantized.
-ffi::Error SelectTopkFp4Impl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::U8> codes,
-                             ffi::Buffer<ffi::U8> key_scales, ffi::Buffer<ffi::S32> visible,
-                             ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
-                             ffi::Result<ffi::AnyBuffer> /*workspace*/) {
-  std::vector<int64_t> key_dims;
-  if (ffi::Error e = ParseFp4Keys(codes.dimensions(), key_scales.dimensions(), &key_dims); e.failure()) return e;
   SelectDims d;
   if (ffi::Error e = ParseDims(&queries, weights.dimensions(), key_dims, visible.dimensions(), picks->dimensions(),
                                scores->dimensions(), &d);
       e.failure()) {
     return e;
   }
-  const Fp4Keys keys{codes.typed_data(), key_scales.typed_data()};
+  if (queries.element_type() != keys.element_type()) {
+    return ffi::Error::InvalidArgument("dsv4 select_topk: queries and keys must share a dtype");
+  }
+  if (table != nullptr) {
+    return SelectFor(queries, weights, visible, picks, scores, d, [&](auto in) {
+      using In = decltype(in);
+      return DenseKeys<In, PagedRows>{static_cast<const In*>(keys.untyped_data()), paged};
+    });
+  }
+  return SelectFor(queries, weights, visible, picks, scores, d, [&](auto in) {
+    using In = decltype(in);
+    return DenseKeys<In, ContiguousRows>{static_cast<const In*>(keys.untyped_data()), ContiguousRows{d.slots}};
+  });
+}
+
+// The same over packed FP4 keys (select_topk.h): the scores of the keys they stand for, dequantized.
+ffi::Error SelectFp4(ffi::AnyBuffer& queries, ffi::Buffer<ffi::F32>& weights, ffi::Buffer<ffi::U8>& codes,
+                     ffi::Buffer<ffi::U8>& key_scales, ffi::Buffer<ffi::S32>& visible,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& picks, ffi::Result<ffi::Buffer<ffi::F32>>& scores,
+                     const ffi::Buffer<ffi::S32>* table, int64_t page_entries) {
+  std::vector<int64_t> key_dims;
+  if (ffi::Error e = ParseFp4Keys(codes.dimensions(), key_scales.dimensions(), &key_dims); e.failure()) return e;
+  PagedRows paged;
+  if (table != nullptr) {
+    const int64_t channels = key_dims.back();
+    if (ffi::Error e = ParsePagedKeys(codes.dimensions(), channels, table->dimensions(), page_entries,
+                                      scores->dimensions(), table->typed_data(), &key_dims, &paged);
+        e.failure()) {
+      return e;
+    }
+  }
+  SelectDims d;
+  if (ffi::Error e = ParseDims(&queries, weights.dimensions(), key_dims, visible.dimensions(), picks->dimensions(),
+                               scores->dimensions(), &d);
+      e.failure()) {
+    return e;
+  }
+  if (table != nullptr) {
+    const Fp4Keys<PagedRows> keys{codes.typed_data(), key_scales.typed_data(), paged};
+    return SelectFor(queries, weights, visible, picks, scores, d, [&](auto) { return keys; });
+  }
+  const Fp4Keys<ContiguousRows> keys{codes.typed_data(), key_scales.typed_data(), ContiguousRows{d.slots}};
   return SelectFor(queries, weights, visible, picks, scores, d, [&](auto) { return keys; });
+}
+
+ffi::Error SelectTopkImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer keys,
+                          ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
+                          ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                          ffi::Result<ffi::AnyBuffer> /*workspace*/) {
+  return SelectDense(queries, weights, keys, visible, picks, scores, nullptr, 0);
+}
+
+ffi::Error SelectTopkPagedImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer pool,
+                               ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> visible,
+                               ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                               ffi::Result<ffi::AnyBuffer> /*workspace*/, int64_t page_entries) {
+  return SelectDense(queries, weights, pool, visible, picks, scores, &table, page_entries);
+}
+
+ffi::Error SelectTopkFp4Impl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::U8> codes,
+                             ffi::Buffer<ffi::U8> key_scales, ffi::Buffer<ffi::S32> visible,
+                             ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                             ffi::Result<ffi::AnyBuffer> /*workspace*/) {
+  return SelectFp4(queries, weights, codes, key_scales, visible, picks, scores, nullptr, 0);
+}
+
+ffi::Error SelectTopkFp4PagedImpl(ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::U8> codes,
+                                  ffi::Buffer<ffi::U8> key_scales, ffi::Buffer<ffi::S32> table,
+                                  ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                                  ffi::Result<ffi::AnyBuffer> /*workspace*/, int64_t page_entries) {
+  return SelectFp4(queries, weights, codes, key_scales, visible, picks, scores, &table, page_entries);
 }
 
 ffi::Error TopkImpl(ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> visible,
@@ -209,6 +275,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4Cpu, dsv4::SelectTopkFp4Impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>());
 
+// The _paged targets: the keys' operand is a paged pool [N, .], then the table [..., P_row].
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkPagedCpu, dsv4::SelectTopkPagedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("page_entries"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4PagedCpu, dsv4::SelectTopkFp4PagedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("page_entries"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCpu, dsv4::TopkImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -226,6 +318,10 @@ PyObject* Registrations(PyObject*, PyObject*) {
       {"dsv4_select_topk_graph", reinterpret_cast<void*>(&Dsv4SelectTopkCpu)},
       {"dsv4_select_topk_fp4", reinterpret_cast<void*>(&Dsv4SelectTopkFp4Cpu)},
       {"dsv4_select_topk_fp4_graph", reinterpret_cast<void*>(&Dsv4SelectTopkFp4Cpu)},
+      {"dsv4_select_topk_paged", reinterpret_cast<void*>(&Dsv4SelectTopkPagedCpu)},
+      {"dsv4_select_topk_paged_graph", reinterpret_cast<void*>(&Dsv4SelectTopkPagedCpu)},
+      {"dsv4_select_topk_fp4_paged", reinterpret_cast<void*>(&Dsv4SelectTopkFp4PagedCpu)},
+      {"dsv4_select_topk_fp4_paged_graph", reinterpret_cast<void*>(&Dsv4SelectTopkFp4PagedCpu)},
       {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCpu)},
       {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCpu)},
       {"dsv4_finite_flag", reinterpret_cast<void*>(&Dsv4FiniteFlag)},  // finite_flag_cpu.cc

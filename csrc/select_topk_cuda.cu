@@ -9,7 +9,9 @@
 //                   multiple of 16: a tensor-core GEMM (mma.sync) over cp.async-pipelined key
 //                   tiles, the relu / weight / head sum in the epilogue (see the kernel).
 //                   Both scoring kernels also read an FP8 cache's packed FP4 keys (the _fp4
-//                   targets: codes and scale bytes, dequantized to bf16 where they are loaded).
+//                   targets: codes and scale bytes, dequantized to bf16 where they are loaded),
+//                   and a paged cache's pool through its page table (the _paged targets: each
+//                   key row's address looked up on its own, a row's channels read contiguously).
 //   TopkKernel      one block per query row (its keys staged in shared memory up to 32k slots),
 //                   or, for a few long rows, one block per segment of a row and a second launch
 //                   that merges the segments' K best (the workspace output holds them):
@@ -85,42 +87,54 @@ __device__ __forceinline__ int64_t VisibleCount(int32_t visible, int64_t slots) 
   return min(static_cast<int64_t>(max(visible, 0)), slots);
 }
 
-// How the scoring kernels read key channels as float32: dense keys [rows, slots, dim] of the
-// queries' dtype, or an FP8 cache's packed FP4 keys (select_topk.h: codes two a byte and a
-// UE8M0 scale byte a block of 32 channels; the product is exact, the bf16 cache's value).
-template <typename In>
+// How the scoring kernels read key channels as float32: dense keys of the queries' dtype, or an
+// FP8 cache's packed FP4 keys (select_topk.h: codes two a byte and a UE8M0 scale byte a block
+// of 32 channels; the product is exact, the bf16 cache's value). `Row(b, t)` is key t of batch
+// row b's row among the key rows given (the address functor `Rows`: contiguous [rows, slots, .]
+// or a paged pool's rows, select_topk.h; -1 for a missing page, which the kernels read as a zero
+// key); `At` and `Load8` read channels of a row so found: one lookup a key, the row's channels
+// contiguous (coalesced within a row whatever the layout).
+template <typename In, typename Rows>
 struct DenseKeys {
-  const In* keys;
-  int64_t slots;
+  static constexpr bool kMayMiss = Rows::kMayMiss;
+  const In* keys;  // [key rows, dim]
+  Rows rows;
   int dim;
-  __device__ __forceinline__ float At(int64_t b, int64_t t, int i) const { return ToF32(keys[(b * slots + t) * dim + i]); }
-  __device__ __forceinline__ void Load8(int64_t b, int64_t t, int i0, float* out) const {
-    dsv4::Load8(keys + (b * slots + t) * dim + i0, out);
+  __device__ __forceinline__ int64_t Row(int64_t b, int64_t t) const { return rows(b, t); }
+  __device__ __forceinline__ float At(int64_t key, int i) const { return ToF32(keys[key * dim + i]); }
+  __device__ __forceinline__ void Load8(int64_t key, int i0, float* out) const {
+    dsv4::Load8(keys + key * dim + i0, out);
   }
 };
 
+template <typename Rows>
 struct Fp4Keys {
-  const uint8_t* codes;   // [rows, slots, dim / 2]
-  const uint8_t* scales;  // [rows, slots, ceil(dim / 32)]
-  int64_t slots;
+  static constexpr bool kMayMiss = Rows::kMayMiss;
+  const uint8_t* codes;   // [key rows, dim / 2]
+  const uint8_t* scales;  // [key rows, ceil(dim / 32)]
+  Rows rows;
   int dim;
+  __device__ __forceinline__ int64_t Row(int64_t b, int64_t t) const { return rows(b, t); }
   __device__ __forceinline__ float Scale(int64_t key, int i) const {
     return __uint_as_float(Fp4ScaleBits(scales[key * ((dim + kFp4Block - 1) / kFp4Block) + i / kFp4Block]));
   }
-  __device__ __forceinline__ float At(int64_t b, int64_t t, int i) const {
-    const int64_t key = b * slots + t;
+  __device__ __forceinline__ float At(int64_t key, int i) const {
     const uint32_t code = (codes[key * (dim / 2) + i / 2] >> (4 * (i & 1))) & 0xFu;
     return __uint_as_float(Fp4ValueBits(code)) * Scale(key, i);
   }
   // i0 % 8 == 0 and dim % 8 == 0: one aligned 4-byte load, one scale.
-  __device__ __forceinline__ void Load8(int64_t b, int64_t t, int i0, float* out) const {
-    const int64_t key = b * slots + t;
+  __device__ __forceinline__ void Load8(int64_t key, int i0, float* out) const {
     const uint32_t word = *reinterpret_cast<const uint32_t*>(codes + key * (dim / 2) + i0 / 2);
     const float scale = Scale(key, i0);
 #pragma unroll
     for (int j = 0; j < 8; ++j) out[j] = __uint_as_float(Fp4ValueBits((word >> (4 * j)) & 0xFu)) * scale;
   }
 };
+
+template <typename Keys>
+struct IsFp4Keys : std::false_type {};
+template <typename Rows>
+struct IsFp4Keys<Fp4Keys<Rows>> : std::true_type {};
 
 // grid (rows * seq, ceil(slots / kScoreThreads)), block kScoreThreads, shared (heads*dim + heads) floats.
 // kHeads > 0: heads == kHeads and dim % 8 == 0 (register-tiled); kHeads == 0: any sizes.
@@ -152,6 +166,11 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
     out[t] = -INFINITY;
     return;
   }
+  const int64_t key = keys.Row(b, t);
+  if (Keys::kMayMiss && key < 0) {  // a missing page (paged keys only): a zero key, whose score is 0
+    out[t] = 0.0f;
+    return;
+  }
   float total = 0.0f;
   if constexpr (kHeads > 0) {
     float acc[kHeads];
@@ -159,7 +178,7 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
     for (int h = 0; h < kHeads; ++h) acc[h] = 0.0f;
     for (int i0 = 0; i0 < dim; i0 += 8) {
       float kv[8];
-      keys.Load8(b, t, i0, kv);
+      keys.Load8(key, i0, kv);
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) {
         const float4 qa = *reinterpret_cast<const float4*>(q + h * dim + i0);
@@ -175,7 +194,7 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
   } else {
     for (int h = 0; h < heads; ++h) {
       float dot = 0.0f;
-      for (int i = 0; i < dim; ++i) dot = fmaf(q[h * dim + i], keys.At(b, t, i), dot);
+      for (int i = 0; i < dim; ++i) dot = fmaf(q[h * dim + i], keys.At(key, i), dot);
       total += __fmul_rn(__fmul_rn(fmaxf(dot, 0.0f), scale), w[h]);
     }
   }
@@ -253,7 +272,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
                    const Keys keys, const int32_t* __restrict__ visible,
                    float* __restrict__ scores, int64_t seq, int dim, int64_t slots, float scale, int tiles) {
   static_assert(kHeads % 16 == 0, "heads come in pairs of 8-wide MMA tiles");
-  constexpr bool kFp4 = std::is_same_v<Keys, Fp4Keys>;
+  constexpr bool kFp4 = IsFp4Keys<Keys>::value;
   constexpr int kHeadTiles = kHeads / 8;
   extern __shared__ __align__(128) unsigned char mma_smem[];
   const int ld = dim + kMmaPad;
@@ -287,8 +306,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       __nv_bfloat16* dst = k_s + (i & 1) * kMmaEntries * ld;
       for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
         const int e = v / chunks, c = v % chunks;
-        const bool valid = t0 + e < slots;
-        CpAsync16(dst + e * ld + 8 * c, keys.keys + (b * slots + (valid ? t0 + e : 0)) * dim + 8 * c, valid);
+        // Each key row's address on its own (a tile may cross a page boundary); a row past `slots`
+        // or on a missing page is zero-filled.
+        const bool inside = t0 + e < slots;
+        const int64_t key = inside ? keys.Row(b, t0 + e) : 0;
+        const bool valid = inside && (!Keys::kMayMiss || key >= 0);
+        CpAsync16(dst + e * ld + 8 * c, keys.keys + (valid ? key : 0) * dim + 8 * c, valid);
       }
     }
   };
@@ -301,8 +324,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   auto fp4_load = [&](int64_t t0, int v, uint2* codes, uint32_t* scale) {  // load v of a tile from t0
     if constexpr (kFp4) {
       const int e = v / units, u = v % units;
-      const bool valid = v < kMmaEntries * units && t0 + e < slots;
-      const int64_t key = b * slots + t0 + e;
+      const bool inside = v < kMmaEntries * units && t0 + e < slots;
+      const int64_t key = inside ? keys.Row(b, t0 + e) : 0;
+      const bool valid = inside && (!Keys::kMayMiss || key >= 0);
       *codes = valid ? *reinterpret_cast<const uint2*>(keys.codes + key * (dim / 2) + 8 * u) : make_uint2(0, 0);
       *scale = valid ? keys.scales[key * scale_stride + (16 * u) / kFp4Block] : 0u;
     }
@@ -937,7 +961,7 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
     if ((d.heads == 16 || d.heads == 32 || d.heads == 64) && d.dim % 16 == 0) {  // the tensor-core path
       // FP4 keys: registers staging a tile sized for dim <= 128 (V4's index_head_dim), for dim <=
       // 256, or no staging; dense keys: cp.async (kLoads unused).
-      constexpr bool kFp4 = std::is_same_v<Keys, Fp4Keys>;
+      constexpr bool kFp4 = IsFp4Keys<Keys>::value;
       constexpr int kNarrow = kFp4 ? Fp4Loads(128) : 0, kWide = kFp4 ? Fp4Loads(kFp4MaxStaged) : 0;
       const int staging = !kFp4 || d.dim <= 128 ? 0 : d.dim <= kFp4MaxStaged ? 1 : 2;
       auto pick = [&](auto narrow, auto wide, auto direct) { return staging == 0 ? narrow : staging == 1 ? wide : direct; };
@@ -1009,11 +1033,24 @@ ffi::Error ScoreThenSelect(cudaStream_t stream, ffi::AnyBuffer& queries, ffi::Bu
   return LastLaunchError();
 }
 
-ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
-                          ffi::AnyBuffer keys, ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
-                          ffi::Result<ffi::Buffer<ffi::F32>> scores, ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+// The selection over keys [..., T, c], or (`table` given) over a paged pool [N, c] with its
+// table [..., P_row] and `page_entries` (select_topk.h): one set of kernels, two address functors.
+ffi::Error SelectDense(cudaStream_t stream, ffi::AnyBuffer& queries, ffi::Buffer<ffi::F32>& weights,
+                       ffi::AnyBuffer& keys, ffi::Buffer<ffi::S32>& visible, ffi::Result<ffi::Buffer<ffi::S32>>& picks,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& scores, ffi::Result<ffi::Buffer<ffi::S32>>& workspace,
+                       const ffi::Buffer<ffi::S32>* table, int64_t page_entries) {
+  auto dims = keys.dimensions();
+  std::vector<int64_t> key_dims(dims.begin(), dims.end());
+  PagedRows paged;
+  if (table != nullptr) {
+    if (ffi::Error e = ParsePagedKeys(dims, dims.size() == 0 ? 0 : dims.back(), table->dimensions(), page_entries,
+                                      scores->dimensions(), table->typed_data(), &key_dims, &paged);
+        e.failure()) {
+      return e;
+    }
+  }
   SelectDims d;
-  if (ffi::Error e = ParseDims(&queries, weights.dimensions(), keys.dimensions(), visible.dimensions(),
+  if (ffi::Error e = ParseDims(&queries, weights.dimensions(), key_dims, visible.dimensions(),
                                picks->dimensions(), scores->dimensions(), &d);
       e.failure()) {
     return e;
@@ -1025,20 +1062,37 @@ ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buff
   }
   if (d.rows * d.seq == 0 || d.slots == 0) return ffi::Error::Success();
   const int dim = static_cast<int>(d.dim);
+  if (table != nullptr) {
+    return ScoreThenSelect(stream, queries, weights, visible, picks, scores, workspace, d, segments, [&](auto in) {
+      using In = decltype(in);
+      return DenseKeys<In, PagedRows>{static_cast<const In*>(keys.untyped_data()), paged, dim};
+    });
+  }
   return ScoreThenSelect(stream, queries, weights, visible, picks, scores, workspace, d, segments, [&](auto in) {
     using In = decltype(in);
-    return DenseKeys<In>{static_cast<const In*>(keys.untyped_data()), d.slots, dim};
+    return DenseKeys<In, ContiguousRows>{static_cast<const In*>(keys.untyped_data()), ContiguousRows{d.slots}, dim};
   });
 }
 
-// The selection over an FP8 cache's packed FP4 keys (select_topk.h): the scoring kernels
-// dequantize each key where they load it (68 bytes a V4 key instead of a bf16 copy's 256).
-ffi::Error SelectTopkFp4Impl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
-                             ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> key_scales, ffi::Buffer<ffi::S32> visible,
-                             ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
-                             ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+// The selection over an FP8 cache's packed FP4 keys (select_topk.h), contiguous or paged: the
+// scoring kernels dequantize each key where they load it (68 bytes a V4 key instead of a bf16
+// copy's 256).
+ffi::Error SelectFp4(cudaStream_t stream, ffi::AnyBuffer& queries, ffi::Buffer<ffi::F32>& weights,
+                     ffi::Buffer<ffi::U8>& codes, ffi::Buffer<ffi::U8>& key_scales, ffi::Buffer<ffi::S32>& visible,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& picks, ffi::Result<ffi::Buffer<ffi::F32>>& scores,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& workspace, const ffi::Buffer<ffi::S32>* table,
+                     int64_t page_entries) {
   std::vector<int64_t> key_dims;
   if (ffi::Error e = ParseFp4Keys(codes.dimensions(), key_scales.dimensions(), &key_dims); e.failure()) return e;
+  PagedRows paged;
+  if (table != nullptr) {
+    const int64_t channels = key_dims.back();
+    if (ffi::Error e = ParsePagedKeys(codes.dimensions(), channels, table->dimensions(), page_entries,
+                                      scores->dimensions(), table->typed_data(), &key_dims, &paged);
+        e.failure()) {
+      return e;
+    }
+  }
   SelectDims d;
   if (ffi::Error e = ParseDims(&queries, weights.dimensions(), key_dims, visible.dimensions(), picks->dimensions(),
                                scores->dimensions(), &d);
@@ -1048,9 +1102,44 @@ ffi::Error SelectTopkFp4Impl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::B
   int64_t segments = 1;
   if (ffi::Error e = ParseWorkspace(workspace->dimensions(), d, &segments); e.failure()) return e;
   if (d.rows * d.seq == 0 || d.slots == 0) return ffi::Error::Success();
-  const Fp4Keys keys{codes.typed_data(), key_scales.typed_data(), d.slots, static_cast<int>(d.dim)};
+  const int dim = static_cast<int>(d.dim);
+  if (table != nullptr) {
+    const Fp4Keys<PagedRows> keys{codes.typed_data(), key_scales.typed_data(), paged, dim};
+    return ScoreThenSelect(stream, queries, weights, visible, picks, scores, workspace, d, segments,
+                           [&](auto) { return keys; });
+  }
+  const Fp4Keys<ContiguousRows> keys{codes.typed_data(), key_scales.typed_data(), ContiguousRows{d.slots}, dim};
   return ScoreThenSelect(stream, queries, weights, visible, picks, scores, workspace, d, segments,
                          [&](auto) { return keys; });
+}
+
+ffi::Error SelectTopkImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
+                          ffi::AnyBuffer keys, ffi::Buffer<ffi::S32> visible, ffi::Result<ffi::Buffer<ffi::S32>> picks,
+                          ffi::Result<ffi::Buffer<ffi::F32>> scores, ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+  return SelectDense(stream, queries, weights, keys, visible, picks, scores, workspace, nullptr, 0);
+}
+
+ffi::Error SelectTopkPagedImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
+                               ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> visible,
+                               ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                               ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t page_entries) {
+  return SelectDense(stream, queries, weights, pool, visible, picks, scores, workspace, &table, page_entries);
+}
+
+ffi::Error SelectTopkFp4Impl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
+                             ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> key_scales, ffi::Buffer<ffi::S32> visible,
+                             ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                             ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+  return SelectFp4(stream, queries, weights, codes, key_scales, visible, picks, scores, workspace, nullptr, 0);
+}
+
+ffi::Error SelectTopkFp4PagedImpl(cudaStream_t stream, ffi::AnyBuffer queries, ffi::Buffer<ffi::F32> weights,
+                                  ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> key_scales,
+                                  ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> visible,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> picks, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t page_entries) {
+  return SelectFp4(stream, queries, weights, codes, key_scales, visible, picks, scores, workspace, &table,
+                   page_entries);
 }
 
 ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> visible,
@@ -1095,6 +1184,31 @@ ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buff
       .Ret<ffi::Buffer<ffi::S32>>()                  \
       .Ret<ffi::Buffer<ffi::F32>>()                  \
       .Ret<ffi::Buffer<ffi::S32>>()
+#define DSV4_SELECT_PAGED_BINDING                    \
+  ffi::Ffi::Bind()                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
+      .Arg<ffi::AnyBuffer>()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                  \
+      .Arg<ffi::AnyBuffer>()                         \
+      .Arg<ffi::Buffer<ffi::S32>>()                  \
+      .Arg<ffi::Buffer<ffi::S32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()                  \
+      .Ret<ffi::Buffer<ffi::F32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()                  \
+      .Attr<int64_t>("page_entries")
+#define DSV4_SELECT_FP4_PAGED_BINDING                \
+  ffi::Ffi::Bind()                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
+      .Arg<ffi::AnyBuffer>()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                  \
+      .Arg<ffi::Buffer<ffi::U8>>()                   \
+      .Arg<ffi::Buffer<ffi::U8>>()                   \
+      .Arg<ffi::Buffer<ffi::S32>>()                  \
+      .Arg<ffi::Buffer<ffi::S32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()                  \
+      .Ret<ffi::Buffer<ffi::F32>>()                  \
+      .Ret<ffi::Buffer<ffi::S32>>()                  \
+      .Attr<int64_t>("page_entries")
 #define DSV4_TOPK_BINDING                            \
   ffi::Ffi::Bind()                                   \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
@@ -1106,12 +1220,19 @@ ffi::Error TopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> scores, ffi::Buff
 // The eager break: no traits, so XLA ends its command buffer before this thunk.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkCudaEager, dsv4::SelectTopkImpl, DSV4_SELECT_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4CudaEager, dsv4::SelectTopkFp4Impl, DSV4_SELECT_FP4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkPagedCudaEager, dsv4::SelectTopkPagedImpl, DSV4_SELECT_PAGED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4PagedCudaEager, dsv4::SelectTopkFp4PagedImpl,
+                              DSV4_SELECT_FP4_PAGED_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCudaEager, dsv4::TopkImpl, DSV4_TOPK_BINDING);
 // Captured inside XLA's CUDA graph (no allocation, no sync in the handler).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkCudaGraph, dsv4::SelectTopkImpl, DSV4_SELECT_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4CudaGraph, dsv4::SelectTopkFp4Impl, DSV4_SELECT_FP4_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkPagedCudaGraph, dsv4::SelectTopkPagedImpl, DSV4_SELECT_PAGED_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SelectTopkFp4PagedCudaGraph, dsv4::SelectTopkFp4PagedImpl,
+                              DSV4_SELECT_FP4_PAGED_BINDING, {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4TopkCudaGraph, dsv4::TopkImpl, DSV4_TOPK_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -1125,6 +1246,10 @@ PyObject* Registrations(PyObject*, PyObject*) {
       {"dsv4_select_topk_graph", reinterpret_cast<void*>(&Dsv4SelectTopkCudaGraph)},
       {"dsv4_select_topk_fp4", reinterpret_cast<void*>(&Dsv4SelectTopkFp4CudaEager)},
       {"dsv4_select_topk_fp4_graph", reinterpret_cast<void*>(&Dsv4SelectTopkFp4CudaGraph)},
+      {"dsv4_select_topk_paged", reinterpret_cast<void*>(&Dsv4SelectTopkPagedCudaEager)},
+      {"dsv4_select_topk_paged_graph", reinterpret_cast<void*>(&Dsv4SelectTopkPagedCudaGraph)},
+      {"dsv4_select_topk_fp4_paged", reinterpret_cast<void*>(&Dsv4SelectTopkFp4PagedCudaEager)},
+      {"dsv4_select_topk_fp4_paged_graph", reinterpret_cast<void*>(&Dsv4SelectTopkFp4PagedCudaGraph)},
       {"dsv4_topk", reinterpret_cast<void*>(&Dsv4TopkCudaEager)},
       {"dsv4_topk_graph", reinterpret_cast<void*>(&Dsv4TopkCudaGraph)},
       {"dsv4_finite_flag", reinterpret_cast<void*>(&Dsv4FiniteFlag)},  // finite_flag_cuda.cu (graph compatible)

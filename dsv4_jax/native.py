@@ -14,6 +14,8 @@ target                      what it does
                             inside XLA's CUDA graph (used by ``break_mode="none"``)
 ``dsv4_select_topk_fp4``    scoring + top-k over an FP8 cache's packed FP4 indexer keys
 ``[_graph]``                (codes and scale bytes, dequantized where the kernels load them)
+``dsv4_select_topk[_fp4]``  the same over a paged cache's pool [N, .] and its page table
+``_paged[_graph]``          [B, P_row] (`select_topk`'s ``table``): each key read in its page
 ``dsv4_topk[_graph]``       the top-k alone, on float32 scores (property tests, benchmarks)
 ``dsv4_finite_flag``        a step's finite verdict written into host memory the extension
                             owns, where the eager call polls it (`dsv4_jax.step.finite_flag`;
@@ -36,7 +38,7 @@ import ctypes
 import functools
 import importlib
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -156,62 +158,83 @@ def _workspace(lead_and_seq: tuple[int, ...], slots: int, top_k: int, segments: 
     return jax.ShapeDtypeStruct((*lead_and_seq, 2 * p * top_k if p > 1 else 0), jnp.int32)
 
 
-def select_topk(queries, weights, keys, visible, *, top_k: int, graph: bool, segments: int | None = None):
+class Pages(NamedTuple):
+    """Where a selection's keys are a paged cache's pool (`dsv4_jax.cache.paged`): the keys'
+    operands are the pool flattened, [N, .] (N = pages * entries), and key t of batch row b is
+    pool row ``table[b, t // entries] * entries + t % entries``; a page -1 (or outside the
+    pool) reads as a zero key. table int32 [B, P_row] with P_row * entries >= slots."""
+
+    table: Any
+    entries: int
+    slots: int
+
+
+def _paged_call(name: str, key_args: tuple, pages: Pages | None, lead_and_seq: tuple, top_k: int,
+                segments: int | None, args: tuple, graph: bool):
+    """The FFI call of a selection target `name` over `key_args` (contiguous, or a pool with
+    `pages`: the _paged target, the table after the keys' operands)."""
+    slots = key_args[0].shape[-2] if pages is None else pages.slots
+    out_types = (
+        jax.ShapeDtypeStruct((*lead_and_seq, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((*lead_and_seq, slots), jnp.float32),
+        _workspace(lead_and_seq, slots, top_k, segments),
+    )
+    queries, weights, visible = args
+    if pages is None:
+        call = jax.ffi.ffi_call(name + ("_graph" if graph else ""), out_types, vmap_method="broadcast_all")
+        picks, scores, _ = call(queries, weights, *key_args, visible)
+        return picks, scores
+    entries = int(pages.entries)
+    rows = key_args[0].shape[0]
+    if any(k.ndim != 2 or k.shape[0] != rows for k in key_args) or entries < 1 or rows % entries:
+        raise ValueError(f"keys: expected a paged pool [pages * {entries}, .] for pages of {entries} entries, got "
+                         f"{[tuple(k.shape) for k in key_args]}")
+    table = jnp.asarray(pages.table, jnp.int32)
+    if table.shape[:-1] != lead_and_seq[:-1] or table.shape[-1] * entries < slots:
+        raise ValueError(f"pages.table: expected [{', '.join(map(str, lead_and_seq[:-1]))}, P_row] int32 with "
+                         f"P_row * {entries} >= {slots} entries a row, got {tuple(table.shape)}")
+    # vmap: one call a batch element (the pool is shared, not broadcast along the vmapped dims).
+    call = jax.ffi.ffi_call(name + "_paged" + ("_graph" if graph else ""), out_types, vmap_method="sequential")
+    picks, scores, _ = call(queries, weights, *key_args, table, visible, page_entries=np.int64(entries))
+    return picks, scores
+
+
+def select_topk(queries, weights, keys, visible, *, top_k: int, graph: bool, segments: int | None = None,
+                pages: Pages | None = None):
     """(picks int32 [..., S, top_k], scores float32 [..., S, T]) from the native handler.
 
     queries [..., S, nI, c] and keys [..., T, c] in float32 or bfloat16 (other dtypes are
     computed in float32), weights float32 [..., S, nI], visible int32 [..., S]. `graph`
     picks the command-buffer-compatible target (no break) over the eager break.
     `segments`: blocks a row of the CUDA top-k (None: `topk_segments`; the picks are the
-    same for every value; the CPU handler has one path).
+    same for every value; the CPU handler has one path). `pages`: the keys are a paged
+    cache's pool [N, c], read through ``pages.table`` (`Pages`; T = ``pages.slots``): the
+    same picks and scores as over the keys [B, T, c] the pages hold, with no copy of them.
     The inputs carry no gradient (the picks are integers; see `indexer_kl_loss` for the
     indexer's training signal); `vmap` adds leading dims, which the handler accepts.
     """
     _register_all()
     dtype = queries.dtype if queries.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
-    args = (
-        jax.lax.stop_gradient(queries.astype(dtype)),
-        jax.lax.stop_gradient(weights.astype(jnp.float32)),
-        jax.lax.stop_gradient(keys.astype(dtype)),
-        visible.astype(jnp.int32),
-    )
-    lead_and_seq = queries.shape[:-2]
-    out_types = (
-        jax.ShapeDtypeStruct((*lead_and_seq, top_k), jnp.int32),
-        jax.ShapeDtypeStruct((*lead_and_seq, keys.shape[-2]), jnp.float32),
-        _workspace(lead_and_seq, keys.shape[-2], top_k, segments),
-    )
-    name = "dsv4_select_topk_graph" if graph else "dsv4_select_topk"
-    picks, scores, _ = jax.ffi.ffi_call(name, out_types, vmap_method="broadcast_all")(*args)
-    return picks, scores
+    args = (jax.lax.stop_gradient(queries.astype(dtype)), jax.lax.stop_gradient(weights.astype(jnp.float32)),
+            visible.astype(jnp.int32))
+    return _paged_call("dsv4_select_topk", (jax.lax.stop_gradient(keys.astype(dtype)),), pages,
+                       queries.shape[:-2], top_k, segments, args, graph)
 
 
 def select_topk_fp4(queries, weights, key_codes, key_scales, visible, *, top_k: int, graph: bool,
-                    segments: int | None = None):
+                    segments: int | None = None, pages: Pages | None = None):
     """`select_topk` over an FP8 cache's indexer keys in their stored form: key_codes uint8
     [..., T, c / 2] (e2m1 codes two a byte, `numerics.pack_fp4`) and key_scales uint8
     [..., T, ceil(c / 32)] (UE8M0 exponent bytes). The handler dequantizes each key where it
     loads it (exactly: the scores and picks of `select_topk` over the dequantized keys), so a
-    long context's scoring reads 68 bytes a V4 key instead of a bf16 copy's 256."""
+    long context's scoring reads 68 bytes a V4 key instead of a bf16 copy's 256. `pages`: as in
+    `select_topk` (codes [N, c / 2] and scales [N, ceil(c / 32)], a paged cache's pool)."""
     _register_all()
     dtype = queries.dtype if queries.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
-    args = (
-        jax.lax.stop_gradient(queries.astype(dtype)),
-        jax.lax.stop_gradient(weights.astype(jnp.float32)),
-        jnp.asarray(key_codes, jnp.uint8),
-        jnp.asarray(key_scales, jnp.uint8),
-        visible.astype(jnp.int32),
-    )
-    lead_and_seq = queries.shape[:-2]
-    slots = key_codes.shape[-2]
-    out_types = (
-        jax.ShapeDtypeStruct((*lead_and_seq, top_k), jnp.int32),
-        jax.ShapeDtypeStruct((*lead_and_seq, slots), jnp.float32),
-        _workspace(lead_and_seq, slots, top_k, segments),
-    )
-    name = "dsv4_select_topk_fp4_graph" if graph else "dsv4_select_topk_fp4"
-    picks, scores, _ = jax.ffi.ffi_call(name, out_types, vmap_method="broadcast_all")(*args)
-    return picks, scores
+    args = (jax.lax.stop_gradient(queries.astype(dtype)), jax.lax.stop_gradient(weights.astype(jnp.float32)),
+            visible.astype(jnp.int32))
+    return _paged_call("dsv4_select_topk_fp4", (jnp.asarray(key_codes, jnp.uint8), jnp.asarray(key_scales, jnp.uint8)),
+                       pages, queries.shape[:-2], top_k, segments, args, graph)
 
 
 def topk(scores, visible, *, top_k: int, graph: bool = True, segments: int | None = None):
@@ -272,6 +295,6 @@ def finite_flag_slots(platform: str) -> np.ndarray | None:
     return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
 
 
-__all__ = ["available", "finite_flag", "finite_flag_slots", "native_info", "platform_name", "select_topk",
+__all__ = ["Pages", "available", "finite_flag", "finite_flag_slots", "native_info", "platform_name", "select_topk",
            "select_topk_fp4", "sparse_attention_backward", "topk", "topk_segments",
            "unavailable_reason"]

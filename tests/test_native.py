@@ -376,8 +376,9 @@ def test_native_info_says_what_was_built():
             assert entry["ffi_api"] == "0.3"  # the oldest supported jaxlib's headers: loads on all
             # CUDA also has CSA's sparse attention backward (csrc/sparse_attention_backward_cuda.cu).
             cuda_only = {"dsv4_sparse_attention_backward"} if platform == "cuda" else set()
-            assert set(entry["targets"]) == {"dsv4_select_topk", "dsv4_select_topk_graph", "dsv4_select_topk_fp4",
-                                             "dsv4_select_topk_fp4_graph", "dsv4_topk", "dsv4_topk_graph",
-                                             "dsv4_finite_flag"} | cuda_only
+            selections = {f"dsv4_select_topk{keys}{layout}{graph}" for keys in ("", "_fp4")
+                          for layout in ("", "_paged") for graph in ("", "_graph")}  # contiguous or paged keys
+            assert set(entry["targets"]) == selections | {"dsv4_topk", "dsv4_topk_graph",
+                                                          "dsv4_finite_flag"} | cuda_only
         else:
             assert "pip install" in entry["reason"]

@@ -21,7 +21,8 @@ skips the eager path's input checks (positions must continue the cache, as in `j
 
 What exports: ``break_mode="none"`` and the **native device break** (``"narrow"`` with
 ``break_on="device"``, or ``"auto"`` where the native handlers are built): the latter keeps its
-FFI custom call (target ``dsv4_select_topk``, the eager break) in the exported module, so the
+FFI custom call (target ``dsv4_select_topk``, the eager break; its ``_fp4`` and ``_paged``
+variants on an FP8 or a paged cache) in the exported module, so the
 process that calls the deserialized step must have the target registered on the same platform;
 `deserialize_step` registers the library's targets (as importing and using `dsv4_jax.native`
 does), and a missing native build fails at the call with XLA's "no FFI handler" error. Host
@@ -63,7 +64,8 @@ PYTREES = (AttentionWeights, CompressorWeights, IndexerWeights, AttentionCache, 
 
 # The native targets an exported step may call (see `dsv4_jax.native`): the graph-compatible
 # selection of break_mode="none" (native_kernels=True) and the eager device break of "narrow".
-_NATIVE_TARGETS = ("dsv4_select_topk_graph", "dsv4_select_topk")
+_NATIVE_TARGETS = tuple(f"dsv4_select_topk{keys}{layout}{graph}" for keys in ("", "_fp4") for layout in ("", "_paged")
+                        for graph in ("_graph", ""))
 
 __all__ = ["PYTREES", "deserialize_step", "export_step", "serialize_step"]
 

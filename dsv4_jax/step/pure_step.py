@@ -328,12 +328,9 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
             queries = round_indexer(queries)
     visible = visible_entries(positions, spec.ratio)
     with jax.named_scope("indexer_select"):
-        # The keys as the cache stores them: the native selection reads an FP8 cache's packed
-        # keys itself, the other selections dequantize them (`quantized_cache.read`).
-        keys = index_state.entries
-        if isinstance(keys, paged.PagedRows):  # the selections read a row's keys in order
-            keys = keys.view()
-        selected = select(queries, inputs.indexer_weights, keys, visible,
+        # The keys as the cache stores them (FP8, paged): the native selection reads them there
+        # itself, the other selections through `quantized.read` (`indexer_native.select_native`).
+        selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
                           top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 

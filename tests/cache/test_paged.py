@@ -10,6 +10,10 @@ outside the pool or a page held twice without a fork is refused, the cache uncha
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import re
+
 import helpers
 import jax
 import jax.numpy as jnp
@@ -18,7 +22,7 @@ import pytest
 from flax import nnx
 
 import dsv4_jax
-from dsv4_jax import DeepseekV4Config
+from dsv4_jax import DeepseekV4Config, KernelPlan
 from dsv4_jax.cache import paged
 from dsv4_jax.cache.contiguous import reset_rows
 from dsv4_jax.cache.quantized import read
@@ -93,10 +97,11 @@ def test_a_paged_cache_gives_the_contiguous_caches_outputs_and_picks_bit_for_bit
 
 def test_a_paged_cache_agrees_in_every_break_mode_and_for_ragged_rows():
     """The pages are read and written by XLA in every mode but the wide break, which runs them on
-    NumPy copies; the selections read the keys gathered from the pages. A covering set: XLA's
-    selection ("none"), the native handler ("narrow-device"; "none-native" reads the same
-    gathered keys) and the NumPy pages ("wide"; "narrow-host" selects on the same XLA view):
-    the same picks, the same values (float32 rounding for the host's twin)."""
+    NumPy copies; the XLA and host selections read the keys gathered from the pages, the native
+    handler reads them in the pages. A covering set: XLA's selection ("none"), the native handler
+    ("narrow-device"; "none-native" is its graph target: the next test) and the NumPy pages
+    ("wide"; "narrow-host" selects on the same XLA view): the same picks, the same values
+    (float32 rounding for the host's twin)."""
     x = _inputs()
     schedule = (30, 3)
     base = helpers.random_layer(CFG, 1, seed=3, **helpers.EXECUTIONS["none"])
@@ -109,6 +114,63 @@ def test_a_paged_cache_agrees_in_every_break_mode_and_for_ragged_rows():
         _assert_same_runs(got, want, mode, exact=mode.startswith("none"))
     # Row 1 pads the last 2 slots of each call: 4 tokens fewer, one page fewer.
     assert got[-1][2].pages.capacity().tolist() == [48, 32] and got[-1][2].length.tolist() == [33, 29]
+
+
+def _scattered(cache):
+    """`cache` with row 1 taking its first pages before row 0 takes any, then both growing: row 0
+    holds pool pages [2, 3, 4], row 1 [0, 1, 5] (a row's pages out of order in the pool)."""
+    cache = dsv4_jax.reserve_pages(cache, np.array([0, 32]))
+    cache = dsv4_jax.reserve_pages(cache, np.array([48, 48]))
+    assert np.asarray(cache.pages.table)[:, :3].tolist() == [[2, 3, 4], [0, 1, 5]]
+    return cache
+
+
+NATIVE_SELECT = dataclasses.replace(KernelPlan.named("xla"), select="native", select_scores="native")
+KERNEL_SCORES = dataclasses.replace(NATIVE_SELECT, select_scores="interpret")
+
+
+@pytest.mark.parametrize("mode, kernels, cache_dtype", [
+    ("none", NATIVE_SELECT, "auto"),            # the handler's graph target over bf16 keys
+    ("narrow-device", NATIVE_SELECT, "fp8"),    # its eager break over the FP4 keys' stored form
+    ("none", KERNEL_SCORES, "fp8")],            # the Pallas scoring kernel (interpret mode) over the
+    ids=["native-graph", "native-eager-fp8", "kernel-scores-fp8"])  # FP8 cache's pool, dequantized
+def test_the_selections_read_the_pages_and_pick_as_the_contiguous_cache(mode, kernels, cache_dtype):
+    """The native selection and the Pallas scoring kernel read the indexer's keys in their pages
+    through the table (no gathered copy): a paged cache whose rows' pages lie out of order in the
+    pool gives the contiguous cache's picks and outputs bit for bit with the same plan, over a
+    prefill chunk crossing pages and a decode step, row 1 ragged. A covering set: every form and
+    target at the op level is tests/ops/test_indexer_kernel.py's (the kernel over the FP4 keys'
+    stored form needs Di a multiple of 32, tiny's is 16)."""
+    if not helpers.runnable("narrow-device"):
+        pytest.skip("the native handlers are not built")
+    fp8 = dict(numerics="official") if cache_dtype == "fp8" else {}
+    attn = helpers.random_layer(CFG, 1, seed=3, break_mode=mode.split("-")[0],
+                                break_on="device" if mode == "narrow-device" else "auto", kernels=kernels, **fp8)
+    x = _inputs()
+    schedule = (30, 1)
+    want = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype=cache_dtype), x, schedule, ragged=True)
+    cache = _scattered(attn.init_cache(2, MAX_SEQ, kv_cache_dtype=cache_dtype, page_size=PAGE, num_pages=8))
+    got = _calls(attn, cache, x, schedule, ragged=True)
+    _assert_same_runs(got, want, f"{mode} {cache_dtype}")
+
+
+def test_a_paged_steps_native_selection_gathers_no_keys():
+    """The jaxpr of a CSA step on a paged cache with the native selection holds no gather of the
+    indexer's keys [B, T, Di] (the handler gets the pool and the table); the XLA selection's
+    step, which reads `PagedRows.view`, holds one (the check's control)."""
+    if not helpers.runnable("none-native"):
+        pytest.skip("the native handlers are not built")
+    gathered = re.compile(rf"\[2,{MAX_SEQ // 4},{CFG.index_head_dim}\] = gather")
+    x, pos = jnp.asarray(_inputs()[:, :13]), jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (2, 13))
+    jaxprs = {}
+    for name, kernels in (("native", NATIVE_SELECT), ("xla", "xla")):
+        attn = helpers.random_layer(CFG, 1, seed=3, break_mode="none", kernels=kernels)
+        cache = dsv4_jax.reserve_pages(attn.init_cache(2, MAX_SEQ, page_size=PAGE), 13)
+        jaxprs[name] = str(jax.make_jaxpr(functools.partial(dsv4_jax.attention_step, spec=attn.step_spec()))(
+            attn.weights(), cache, x, pos))
+    assert "dsv4_select_topk_paged_graph" in jaxprs["native"]
+    assert not gathered.search(jaxprs["native"])
+    assert gathered.search(jaxprs["xla"])
 
 
 @LAYERS

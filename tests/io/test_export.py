@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import NATIVE_BUILT, assert_trees_close, random_layer
+from helpers import NATIVE_BUILT, assert_trees_close, execution, random_layer
 
 import dsv4_jax
 from dsv4_jax import CSA, HCA, SLIDING
@@ -76,15 +76,19 @@ def test_exported_decode_step_continues_a_cache():
     _assert_trees_equal(new_cache.replace(length=np.asarray(new_cache.length)), cache_ref, "decode cache")
 
 
-def test_an_exported_decode_step_runs_on_a_paged_cache():
+@pytest.mark.parametrize("mode", ["none", "narrow-device"])
+def test_an_exported_decode_step_runs_on_a_paged_cache(mode):
     """The same step on a paged cache: the pages reserved before the call (nothing takes pages
-    inside a compiled step), the layer's own call's output and cache."""
-    attn = random_layer(TINY, LAYER[CSA], seed=6, break_mode="none", kernels="xla")
+    inside a compiled step), the layer's own call's output and cache; the native device break
+    keeps its paged target (the keys read in their pages)."""
+    attn = random_layer(TINY, LAYER[CSA], seed=6, **execution(mode))
     x, positions = _inputs()
     _, cache = attn(x, positions, attn.init_cache(BATCH, MAX_LEN, page_size=16))
     cache = dsv4_jax.reserve_pages(cache, 1)
     x1, p1 = _inputs(1, start=N)
-    step = deserialize_step(serialize_step(export_step(attn, x1.shape, cache)))
+    exported = export_step(attn, x1.shape, cache)
+    assert ("@dsv4_select_topk_paged(" in exported.mlir_module()) == (mode == "narrow-device")
+    step = deserialize_step(serialize_step(exported))
     out, new_cache, _ = step.call(attn.weights(), cache, jnp.asarray(x1), jnp.asarray(p1))
     out_ref, cache_ref = attn(x1, p1, cache)
     _assert_trees_equal(out, out_ref, "decode out")

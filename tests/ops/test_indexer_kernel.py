@@ -10,13 +10,16 @@ native handler's own scoring picks.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsv4_jax import KernelPlan, native
-from dsv4_jax.cache.quantized import QuantizedRows
+from dsv4_jax.cache.paged import PagedRows
+from dsv4_jax.cache.quantized import QuantizedRows, read
 from dsv4_jax.ops.indexer import native as indexer_native
 from dsv4_jax.ops.indexer import pallas as indexer_kernel
 from dsv4_jax.ops.indexer import reference as indexer
@@ -167,7 +170,138 @@ def test_an_fp8_caches_keys_score_as_their_dequantized_values(select_keys, monke
     np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
 
 
-@pytest.mark.parametrize("keys, slots", [("bf16", 8192), ("bf16", 8000), ("fp4", 8192), ("fp4", 8000)])
+def paged_keys(keys, page_entries: int, table: np.ndarray, seed: int = 0):
+    """A paged cache's `PagedRows` holding `keys` ([B, T, c] array or `QuantizedRows`): row b's
+    entry t written at pool row ``table[b, t // E] * E + t % E`` of a pool of random rows (what
+    no row holds is noise, not zeros: a read past the table's pages would show); entries of a
+    page -1 are dropped (the view then holds zeros there, as a paged cache reads them)."""
+    slots = keys.shape[1]
+    pool_pages = int(table.max()) + 2  # one page no row holds
+    rng = np.random.default_rng(seed)
+
+    def noise(a):
+        shape = (pool_pages, page_entries, *a.shape[2:])
+        if a.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
+        return jnp.asarray(rng.standard_normal(shape), a.dtype)
+
+    rows = PagedRows(pool=jax.tree.map(noise, keys), table=jnp.asarray(table, jnp.int32), slots=slots)
+    index = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (table.shape[0], slots))
+    return rows.scatter(index, keys)
+
+
+# Rows whose pages lie scattered and out of order in the pool (a page boundary every 4 entries,
+# inside every scoring block), the second row holding one page fewer (its last entries read as
+# zeros); ragged visible counts, prefill (5 queries a row) and decode (1).
+PAGE_ENTRIES, PAGED_SLOTS = 4, 22
+PAGE_TABLE = np.array([[9, 2, 7, 0, 5, 11], [4, 10, 1, 8, 3, -1]], np.int32)
+PAGED_VISIBLE = {"prefill": [[0, 3, 4, 13, 22], [22, 1, 9, 20, 17]], "decode": [[22], [19]]}
+
+
+@pytest.mark.parametrize("scoring, keys, graph", [
+    ("native", "bf16", True), ("native", "bf16", False), ("native", "fp4-stored", True),
+    ("native", "fp4-stored", False), ("interpret", "bf16", True), ("interpret", "fp4-stored", True),
+    ("interpret", "fp4-dequantized", False)])
+def test_a_paged_pools_keys_select_as_the_contiguous_keys_they_hold(scoring, keys, graph):
+    """`select_native` over a paged cache's keys (`PagedRows`: each key read in its page through
+    the table, `native.Pages`) gives the picks and scores of the same keys held contiguously, bit
+    for bit: the handler's own scoring (eager break and graph target) and the Pallas kernel's
+    (interpret mode), over bf16 keys and an FP8 cache's FP4 ones (their stored form, or the
+    pool dequantized)."""
+    if scoring == "native" and not NATIVE:
+        pytest.skip("the native handlers are not built")
+    heads, dim = 16, 64
+    if keys == "bf16":
+        held = random_operands(2, 1, heads, dim, PAGED_SLOTS, seed=11)[2]
+    else:
+        held = fp4_rows(2, PAGED_SLOTS, dim, seed=11)
+    paged = paged_keys(held, PAGE_ENTRIES, PAGE_TABLE, seed=12)
+    missing = PAGED_SLOTS - PAGE_ENTRIES * 5  # row 1's entries past its pages: zeros in the view
+    contiguous = jax.tree.map(lambda a: a.at[1, PAGED_SLOTS - missing:].set(0), held)
+    plan = KernelPlan(select="native", select_scores=scoring,
+                      select_keys="dequantized" if keys == "fp4-dequantized" else "stored")
+    for phase, visible in PAGED_VISIBLE.items():
+        visible = jnp.asarray(visible, jnp.int32)
+        q, w, _ = random_operands(2, visible.shape[1], heads, dim, 8, seed=13)
+        select = jax.jit(lambda q, w, k, v: indexer_native.select_native(
+            q, w, k, v, top_k=8, with_scores=True, graph=graph, kernels=plan))
+        got, want = select(q, w, paged, visible), select(q, w, contiguous, visible)
+        np.testing.assert_array_equal(np.asarray(got.picks), np.asarray(want.picks), err_msg=phase)
+        np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores), err_msg=phase)
+        if phase == "prefill":  # and the contiguous keys' selection is the XLA twin's (sets and scores)
+            twin = indexer.select_topk(q, w, read(contiguous), visible, top_k=8, with_scores=True)
+            assert_scores_match(got.scores, twin.scores)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native handlers are not built")
+def test_the_native_selection_reads_a_paged_pool_without_gathering_its_keys():
+    """The jaxpr of the native selection over `PagedRows` holds no gather of the keys [B, T, c]
+    (nor of the codes): the handler gets the pool and the table. The XLA twin, reading
+    `PagedRows.view`, holds one (the check's control)."""
+    held = random_operands(2, 1, 16, 64, PAGED_SLOTS, seed=11)[2]
+    paged = paged_keys(held, PAGE_ENTRIES, PAGE_TABLE)
+    q, w, _ = random_operands(2, 5, 16, 64, 8, seed=13)
+    visible = jnp.asarray(PAGED_VISIBLE["prefill"], jnp.int32)
+    gathered = re.compile(rf"\[2,{PAGED_SLOTS},64\] = gather")
+
+    native_jaxpr = str(jax.make_jaxpr(lambda q, w, k, v: indexer_native.select_native(
+        q, w, k, v, top_k=8, graph=True, kernels=KernelPlan(select="native", select_scores="native")))(
+            q, w, paged, visible))
+    assert "dsv4_select_topk_paged_graph" in native_jaxpr
+    assert not gathered.search(native_jaxpr), native_jaxpr
+    xla_jaxpr = str(jax.make_jaxpr(lambda q, w, k, v: indexer.select_topk(q, w, k, v, top_k=8))(q, w, paged, visible))
+    assert gathered.search(xla_jaxpr)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native handlers are not built")
+def test_the_native_scores_over_a_paged_pool_differentiate_as_over_its_keys():
+    """The graph target's scores (`scores_with_gradient`) over `PagedRows` differentiate as over
+    the contiguous keys: the same gradients for the queries and head weights, and the pool's
+    gradient is the keys' one, in their pages."""
+    held = random_operands(2, 1, 16, 64, PAGED_SLOTS, jnp.float32, seed=11)[2]
+    paged = paged_keys(held, PAGE_ENTRIES, PAGE_TABLE)
+    contiguous = held.at[1, PAGE_ENTRIES * 5:].set(0)
+    q, w, _ = random_operands(2, 5, 16, 64, 8, jnp.float32, seed=13)
+    visible = jnp.asarray(PAGED_VISIBLE["prefill"], jnp.int32)
+    plan = KernelPlan(select="native", select_scores="native")
+
+    def loss(q, w, keys):
+        scores = indexer_native.select_native(q, w, keys, visible, top_k=8, with_scores=True, graph=True,
+                                              kernels=plan).scores
+        return jnp.sum(jnp.where(jnp.isfinite(scores), scores, 0.0) ** 2)
+
+    got = jax.jit(jax.grad(lambda q, w, pool: loss(q, w, paged.replace(pool=pool)), argnums=(0, 1, 2)))(
+        q, w, paged.pool)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, w, contiguous)
+    for name, g, h in zip(("queries", "weights"), got[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6, atol=1e-6, err_msg=name)
+    in_pages = np.arange(PAGED_SLOTS)[None, :, None] < np.array([PAGED_SLOTS, PAGE_ENTRIES * 5])[:, None, None]
+    np.testing.assert_allclose(np.asarray(paged.replace(pool=got[2]).view()), np.where(in_pages, want[2], 0),
+                               rtol=1e-6, atol=1e-6, err_msg="keys (row 1's past its pages: none held)")
+
+
+def test_a_paged_pool_of_the_wrong_form_is_refused():
+    """`native.Pages` operands that the handlers and the kernel cannot read are a ValueError
+    naming the argument: a pool not [pages * E, .], a table of another batch or too few pages."""
+    held = random_operands(2, 1, 16, 64, PAGED_SLOTS, seed=11)[2]
+    paged = paged_keys(held, PAGE_ENTRIES, PAGE_TABLE)
+    q, w, _ = random_operands(2, 1, 16, 64, 8, seed=13)
+    visible = jnp.asarray(PAGED_VISIBLE["decode"], jnp.int32)
+    pool = paged.pool.reshape(-1, 64)
+    pages = native.Pages(paged.table, PAGE_ENTRIES, PAGED_SLOTS)
+    with pytest.raises(ValueError, match=r"keys: expected a paged pool \[pages \* 4, .\]"):
+        indexer_kernel.index_scores(q, w, pool[:-1], visible, interpret=True, pages=pages)
+    with pytest.raises(ValueError, match=r"pages.table: expected \[2, P_row\] int32 with P_row \* 4 >= 22"):
+        indexer_kernel.index_scores(q, w, pool, visible, interpret=True, pages=pages._replace(table=paged.table[:, :5]))
+    if NATIVE:
+        with pytest.raises(ValueError, match=r"pages.table: expected \[2, P_row\] int32"):
+            native.select_topk(q, w, pool, visible, top_k=8, graph=True, pages=pages._replace(table=paged.table[:1]))
+        with pytest.raises(ValueError, match=r"keys: expected a paged pool"):
+            native.select_topk(q, w, paged.pool, visible, top_k=8, graph=True, pages=pages)
+
+
+@pytest.mark.parametrize("keys, slots", [("bf16", 8192), ("bf16", 8000), ("fp4", 8192), ("fp4", 8000),
+                                         ("bf16-paged", 8000), ("fp4-paged", 8000)])
 def test_the_kernel_lowers_to_a_triton_kernel_for_cuda(keys, slots):
     """At V4's sizes (nI = 64, c = 128, a query block of 256 against 8,192 entries, or 8,000: a
     partial last block) the kernel, over bf16 keys or MXFP4 ones, lowers on this CPU to the
@@ -175,7 +309,20 @@ def test_the_kernel_lowers_to_a_triton_kernel_for_cuda(keys, slots):
     its loop, masked loads and stores, dot, reductions and the FP4 decoding)."""
     q, w = jax.ShapeDtypeStruct((1, 256, 64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
     visible = jax.ShapeDtypeStruct((1, 256), jnp.int32)
-    if keys == "bf16":
+    if keys.endswith("paged"):  # pages of 64 entries (256 tokens at m = 4), each key row loaded at its page
+        table = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+        widths = (128,) if keys == "bf16-paged" else (64, 4)
+        pool = [jax.ShapeDtypeStruct((256 * 64, n), jnp.bfloat16 if n == 128 else jnp.uint8) for n in widths]
+
+        def fn(q, w, table, *rest):
+            *pool, visible = rest
+            pages = native.Pages(table, 64, slots)
+            if len(pool) == 1:
+                return indexer_kernel.index_scores(q, w, *pool, visible, pages=pages)
+            return indexer_kernel.index_scores_fp4(q, w, *pool, visible, pages=pages)
+
+        args = (q, w, table, *pool, visible)
+    elif keys == "bf16":
         fn, args = indexer_kernel.index_scores, (q, w, jax.ShapeDtypeStruct((1, slots, 128), jnp.bfloat16), visible)
     else:
         fn, args = indexer_kernel.index_scores_fp4, (q, w, jax.ShapeDtypeStruct((1, slots, 64), jnp.uint8),
@@ -229,3 +376,50 @@ def test_gpu_stored_fp4_keys_score_as_their_dequantized_values(batch, seq, slots
                                                            graph=True)
     assert_scores_match(got, handler_scores)
     np.testing.assert_array_equal(np.sort(np.asarray(picks), axis=-1), np.sort(np.asarray(handler_picks), axis=-1))
+
+
+def scattered_table(batch: int, per_row: int, seed: int, missing: int = 2) -> np.ndarray:
+    """[batch, per_row] pool pages in random order (a row's pages scattered through the pool),
+    row 1 holding `missing` pages fewer (-1 at its end)."""
+    table = np.random.default_rng(seed).permutation(batch * per_row + 3)[:batch * per_row]
+    table = table.reshape(batch, per_row).astype(np.int32)
+    table[1, per_row - missing:] = -1
+    return table
+
+
+@pytest.mark.skipif(not (ON_GPU and NATIVE), reason="the native CUDA handlers and the Triton kernel need CUDA")
+@pytest.mark.parametrize("keys, heads, dim", [("bf16", 64, 128), ("f32", 64, 128), ("bf16", 8, 32),
+                                              ("fp4", 64, 128), ("fp4", 64, 256), ("fp4", 64, 512)])
+def test_gpu_paged_keys_select_as_the_contiguous_keys_they_hold(keys, heads, dim):
+    """On a GPU, pages of 64 entries (V4's 256 tokens at m = 4) in random order through the pool,
+    T = 8,010 (a partial last page), row 1 missing its last two pages: every CUDA scoring kernel
+    reads the keys through the table (`native.Pages`) and gives the picks and scores of the same
+    keys held contiguously, bit for bit, in the eager break and the graph target: the
+    tensor-core kernel (bf16, 64 heads; FP4 staged for c <= 128, <= 256, and unstaged at 512),
+    the FMA kernel's register-tiled path (float32, 64 heads) and its generic one (8 heads); and
+    the Triton kernel (at V4's c = 128 where it takes the operands: bf16 64 heads, FP4 stored).
+    A prefill block of 256 queries on a causal ramp over 2 rows, and a decode step of 8 rows."""
+    slots, entries = 8010, 64
+    per_row = -(-slots // entries)
+    held_entries = entries * (per_row - 2)  # row 1's entries past its pages read as zeros
+    dtype = jnp.float32 if keys == "f32" else jnp.bfloat16
+    for phase, batch, seq in (("prefill", 2, 256), ("decode", 8, 1)):
+        table = scattered_table(batch, per_row, seed=batch)
+        if keys == "fp4":
+            held = fp4_rows(batch, slots, dim, seed=21)
+        else:
+            held = random_operands(batch, 1, heads, dim, slots, dtype, seed=21)[2]
+        held = jax.tree.map(lambda a: a.at[1, held_entries:].set(0), held)
+        paged = paged_keys(held, entries, table, seed=22)
+        q, w, _ = random_operands(batch, seq, heads, dim, 8, dtype, seed=23)
+        ramp = slots - (seq - 1 - np.arange(seq)) // 4
+        visible = jnp.asarray(np.broadcast_to(ramp, (batch, seq)), jnp.int32)
+        kernels = (("native", True), ("native", False)) + ((("pallas", True),) if dim == 128 else ())
+        for scoring, graph in kernels:
+            plan = KernelPlan(select="native", select_scores=scoring, select_keys="stored")
+            select = jax.jit(lambda q, w, k, v, plan=plan, graph=graph: indexer_native.select_native(
+                q, w, k, v, top_k=512, with_scores=True, graph=graph, kernels=plan))
+            got, want = select(q, w, paged, visible), select(q, w, held, visible)
+            what = f"{phase} {scoring} graph={graph}"
+            np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores), err_msg=what)
+            np.testing.assert_array_equal(np.asarray(got.picks), np.asarray(want.picks), err_msg=what)

@@ -16,6 +16,9 @@ contract (csrc/select_topk.h).
     grid (B * S, ceil(T / (block * tiles))); program (r, j) scores query row r = b * S + s against
     `tiles` key blocks of `block` entries from j * block * tiles, looping over them (Triton
     pipelines the loop's key loads); blocks wholly past the row's visible entries are not loaded.
+    A paged cache's keys (`pages`: the pool's rows [N, c] and the table [B, P_row]): a block's
+    key rows are loaded each at its page's address (a block may span pages; a row's channels
+    stay contiguous), no copy of the row's keys.
     per block: dots = keys[block, c] @ q[nI, c]^T (float32 accumulation) -> [block, nI];
                score = sum over heads of relu(dots) * c^-1/2 * w -> [block]
 
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4_jax import native
 from dsv4_jax.backend import Array
 
 BLOCK = 128     # entries a block: one wgmma tile of keys
@@ -71,8 +75,12 @@ def decode_fp4(codes: Array, scale_bytes: Array, dtype) -> Array:
 
 
 def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: float, seq: int, slots: int,
-            dtype):
-    *key_refs, out_ref = refs  # keys [B, T, c], or codes [B, T, c/2] and scale bytes [B, T, c/32]; out [R, T]
+            dtype, page_entries: int | None):
+    # keys [B, T, c], or codes [B, T, c/2] and scale bytes [B, T, c/32]; paged (`page_entries`):
+    # the same as a pool's rows [N, .], then the page table [B, P_row]; out [R, T]
+    *key_refs, out_ref = refs
+    if page_entries is not None:
+        *key_refs, table_ref = key_refs
     r = pl.program_id(0)
     source = r // seq
     first = pl.program_id(1) * block * tiles
@@ -86,10 +94,21 @@ def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: flo
     ragged = slots % block != 0  # static: a partial last block, its loads and stores masked
 
     def load(ref, start):
+        if page_entries is not None:
+            return load_paged(ref, start)
         at = ref.at[source, pl.ds(start, block), :]
         if not ragged:
             return at[...]
         return plgpu.load(at, mask=(start + entries < slots)[:, None], other=0)
+
+    def load_paged(ref, start):  # each key row at its own address (a block may span pages)
+        t = start + entries
+        page = table_ref[source, jnp.minimum(t, slots - 1) // page_entries]  # [block]
+        held = (t < slots) & (page >= 0) & (page < ref.shape[0] // page_entries)
+        at = jnp.where(held, page * page_entries + t % page_entries, 0)
+        columns = jnp.arange(ref.shape[1], dtype=jnp.int32)
+        # A missing page reads as zeros, as `PagedRows.view` holds it (its scores are 0).
+        return plgpu.load(ref.at[at[:, None], columns[None, :]], mask=held[:, None], other=0)
 
     def store(start, values):
         at = out_ref.at[r, pl.ds(start, block)]
@@ -123,16 +142,30 @@ def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: flo
     jax.lax.fori_loop(n_loaded, n_blocks, unloaded, 0)
 
 
-def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, tiles, num_warps, num_stages):
+def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, tiles, num_warps, num_stages,
+          pages=None):
     batch, seq, heads, dim = queries.shape
-    slots = key_arrays[0].shape[1]
+    slots = key_arrays[0].shape[1] if pages is None else pages.slots
+    page_entries = None
+    if pages is not None:
+        page_entries = int(pages.entries)
+        rows = key_arrays[0].shape[0]
+        if any(k.ndim != 2 or k.shape[0] != rows for k in key_arrays) or page_entries < 1 or rows % page_entries:
+            raise ValueError(f"keys: expected a paged pool [pages * {page_entries}, .] for pages of {page_entries} "
+                             f"entries, got {[tuple(k.shape) for k in key_arrays]}")
+        table = jnp.asarray(pages.table, jnp.int32)
+        if table.shape[0] != batch or table.ndim != 2 or table.shape[1] * page_entries < slots:
+            raise ValueError(f"pages.table: expected [{batch}, P_row] int32 with P_row * {page_entries} >= {slots} "
+                             f"entries a row, got {tuple(table.shape)}")
+        key_arrays = (*key_arrays, table)
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     rows = batch * seq
     whole = pl.no_block_spec  # the keys and the scores: each program reads and writes its span itself
     out = pl.pallas_call(
-        functools.partial(_kernel, block=block, tiles=tiles, scale=dim ** -0.5, seq=seq, slots=slots, dtype=dtype),
+        functools.partial(_kernel, block=block, tiles=tiles, scale=dim ** -0.5, seq=seq, slots=slots, dtype=dtype,
+                          page_entries=page_entries),
         grid=(rows, -(-slots // (block * tiles))),
         in_specs=[
             pl.BlockSpec((1,), lambda r, j: (r,)),
@@ -152,30 +185,34 @@ def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, til
 
 def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *, interpret: bool = False,
                  block: int = BLOCK, tiles: int = TILES, num_warps: int = NUM_WARPS,
-                 num_stages: int = NUM_STAGES) -> Array:
+                 num_stages: int = NUM_STAGES, pages: native.Pages | None = None) -> Array:
     """`indexer.index_scores` by the kernel: float32 [B, S, T] (see the module doc).
 
     Any T: a partial last block of keys is loaded and its scores stored under a mask (no
     padded copy of the keys, no cut of the scores). No gradient: the native selection
     differentiates its scores as the XLA twin's (`indexer_native.scores_with_gradient`).
+    `pages` (`native.Pages`): keys are a paged cache's pool [N, c], each key row loaded at its
+    page's address (T = ``pages.slots``), the scores of the keys the pages hold.
     """
     return _call(queries, weights, (keys,), visible, dtype=keys.dtype, interpret=interpret, block=block,
-                 tiles=tiles, num_warps=num_warps, num_stages=num_stages)
+                 tiles=tiles, num_warps=num_warps, num_stages=num_stages, pages=pages)
 
 
 def index_scores_fp4(queries: Array, weights: Array, codes: Array, scale_bytes: Array, visible: Array, *,
                      dtype=jnp.bfloat16, interpret: bool = False, block: int = BLOCK, tiles: int = TILES,
-                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> Array:
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                     pages: native.Pages | None = None) -> Array:
     """`index_scores` over an FP8 cache's indexer keys in their stored form (`QuantizedRows`
     of grid "fp4": codes uint8 [B, T, c / 2], scale_bytes uint8 [B, T, c / 32]), each key
     decoded where it is loaded (`decode_fp4`) to `dtype`, the cache's: 68 bytes a key read
     instead of 256, and the scores of `index_scores` over the dequantized keys, bit for bit
-    (the same values through the same dot; tests/ops/test_indexer_kernel.py)."""
+    (the same values through the same dot; tests/ops/test_indexer_kernel.py). `pages`: as in
+    `index_scores` (codes [N, c / 2] and scale bytes [N, c / 32], a paged cache's pool)."""
     if codes.shape[-1] % scale_bytes.shape[-1] or (2 * codes.shape[-1]) // scale_bytes.shape[-1] != 32:
         raise ValueError(f"scale_bytes: expected one scale per 32 channels of {2 * codes.shape[-1]}, got "
                          f"{scale_bytes.shape[-1]}")
     return _call(queries, weights, (codes, scale_bytes), visible, dtype=dtype, interpret=interpret, block=block,
-                 tiles=tiles, num_warps=num_warps, num_stages=num_stages)
+                 tiles=tiles, num_warps=num_warps, num_stages=num_stages, pages=pages)
 
 
 def supports(queries: Array, keys: Array) -> bool:
