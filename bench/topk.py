@@ -10,12 +10,15 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               The issue's yardstick: 64 rows of 16k entries, k = 512. Each shape on tied scores
               (bins of exact ties: the CUDA kernel's sort) and on continuous ones (its placement).
 * ``select``  scoring + top-k for a decode step, queries [B, 1, nI, c] against the key cache
-              [B, T, c] in bfloat16: `native.select_topk` against `indexer.select_topk` (XLA).
+              [B, T, c] in bfloat16: `native.select_topk` against `indexer.select_topk` (XLA),
+              and the handler over the same keys in a paged cache's pool (pages of 64 entries
+              scattered through it, read through the table: ``native-graph-paged``).
 * ``select_fp4``  the same decode step over an FP8 cache's MXFP4 keys (68 bytes a key: codes
               two a byte + a scale byte a block of 32) at long contexts: the handler reading
               them in their stored form (`native.select_topk_fp4`, the default), against a
               dequantized bf16 copy handed to `native.select_topk` (`select_keys="dequantized"`),
-              and against a bf16 cache's keys (the same values, 256 bytes a key), and the
+              and against a bf16 cache's keys (the same values, 256 bytes a key), the stored form
+              in a paged cache's pool (``native-fp4-stored-paged``), and the
               Pallas scoring over those and over the stored form (``--pallas-configs``;
               `index_scores` / `index_scores_fp4`, each followed by the native top-k; the layer
               keeps the handler's scoring for decode until these measure faster).
@@ -141,6 +144,29 @@ def topk_case(rows: int, slots: int, k: int, unroll: int, repeats: int, seed: in
                          {"rows": rows, "slots": slots, "top_k": k, "scores": scores_kind})
 
 
+PAGE_ENTRIES = 64  # a paged cache's entries a page: V4's page of 256 tokens at m = 4
+
+
+def paged_copy(arrays, seed: int = 3):
+    """The stacked keys `arrays` ([unroll, B, T, .] each) as a paged cache holds them: (pools
+    [unroll, N, .] each, table int32 [unroll, B, P_row]), every row's pages of `PAGE_ENTRIES`
+    entries at random places of the pool (out of order, rows interleaved)."""
+    unroll, batch, slots = arrays[0].shape[:3]
+    per_row = -(-slots // PAGE_ENTRIES)
+    rng = np.random.default_rng(seed)
+    table = np.stack([rng.permutation(batch * per_row).reshape(batch, per_row) for _ in range(unroll)]).astype(np.int32)
+    pools = []
+    for a in arrays:
+        a = np.asarray(a)
+        padded = np.zeros((unroll, batch, per_row * PAGE_ENTRIES, a.shape[-1]), a.dtype)
+        padded[:, :, :slots] = a
+        pool = np.zeros((unroll, batch * per_row, PAGE_ENTRIES, a.shape[-1]), a.dtype)
+        for u in range(unroll):
+            pool[u, table[u].reshape(-1)] = padded[u].reshape(batch * per_row, PAGE_ENTRIES, a.shape[-1])
+        pools.append(jnp.asarray(pool.reshape(unroll, -1, a.shape[-1])))
+    return pools, jnp.asarray(table)
+
+
 def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: int, repeats: int,
                 dtype=jnp.bfloat16, seed: int = 1) -> list[dict]:
     rng = np.random.default_rng(seed)
@@ -148,12 +174,19 @@ def select_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll: in
     w = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads)) * heads**-0.5, jnp.float32)
     keys = jnp.asarray(rng.standard_normal((unroll, batch, slots, dim)), dtype)
     visible = jnp.full((unroll, batch, 1), slots, jnp.int32)
+    (pool,), table = paged_copy((keys,))
+
+    def paged(q, w, kk, pool, table, v):  # the same keys read in their pages through the table
+        pages = native.Pages(table, PAGE_ENTRIES, slots)
+        return native.select_topk(q, w, pool, v, top_k=k, graph=True, pages=pages)[0]
+
     variants = {
-        "xla": lambda q, w, kk, v: indexer.select_topk(q, w, kk, v, top_k=k).picks,
-        "native-graph": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
-        "native-eager": lambda q, w, kk, v: native.select_topk(q, w, kk, v, top_k=k, graph=False)[0],
+        "xla": lambda q, w, kk, pool, table, v: indexer.select_topk(q, w, kk, v, top_k=k).picks,
+        "native-graph": lambda q, w, kk, pool, table, v: native.select_topk(q, w, kk, v, top_k=k, graph=True)[0],
+        "native-eager": lambda q, w, kk, pool, table, v: native.select_topk(q, w, kk, v, top_k=k, graph=False)[0],
+        "native-graph-paged": paged,
     }
-    return time_variants("select", variants, (q, w, keys, visible), unroll, repeats,
+    return time_variants("select", variants, (q, w, keys, pool, table, visible), unroll, repeats,
                          {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
                           "dtype": jnp.dtype(dtype).name})
 
@@ -173,24 +206,39 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
     dense = QuantizedRows(values=codes, scales=scales, rope=jnp.zeros((unroll, batch, slots, 0), jnp.bfloat16),
                           block=32, grid="fp4").dequantize()
 
-    def dequantized(q, w, c, s, dense, v):  # the copy made inside the program, as the layer's step did
+    (codes_pool, scales_pool), table = paged_copy((codes, scales))
+
+    # Every variant takes the same arguments: the keys in both forms and in pages (`paged_copy`:
+    # pc, ps, t). Picks are checked equal.
+    def dequantized(q, w, c, s, dense, pc, ps, t, v):  # the copy inside the program, as the layer's step did
         kk = QuantizedRows(values=c, scales=s, rope=jnp.zeros((*c.shape[:-1], 0), jnp.bfloat16), block=32,
                            grid="fp4").dequantize()
         return native.select_topk(q, w, kk, v, top_k=k, graph=True)[0]
 
-    # Every variant takes the same arguments (the keys in both forms); picks are checked equal.
+    def stored_paged(q, w, c, s, dense, codes_pool, scales_pool, table, v):  # the stored form in its pages
+        return native.select_topk_fp4(q, w, codes_pool, scales_pool, v, top_k=k, graph=True,
+                                      pages=native.Pages(table, PAGE_ENTRIES, slots))[0]
+
+    def stored(q, w, c, s, dense, pc, ps, t, v):
+        return native.select_topk_fp4(q, w, c, s, v, top_k=k, graph=True)[0]
+
+    def bf16_keys(q, w, c, s, dense, pc, ps, t, v):
+        return native.select_topk(q, w, dense, v, top_k=k, graph=True)[0]
+
     variants = {
-        "native-fp4-stored": lambda q, w, c, s, dense, v: native.select_topk_fp4(q, w, c, s, v, top_k=k,
-                                                                                 graph=True)[0],
+        "native-fp4-stored": stored,
         "native-fp4-dequantized": dequantized,
-        "native-bf16-keys": lambda q, w, c, s, dense, v: native.select_topk(q, w, dense, v, top_k=k, graph=True)[0],
+        "native-bf16-keys": bf16_keys,
+        "native-fp4-stored-paged": stored_paged,
     }
     for config in pallas_configs(configs):  # the Pallas scoring over the bf16 keys, then over the stored form
         select = pallas_select(config, k)
-        variants[pallas_name(config)] = lambda q, w, c, s, dense, v, select=select: select(q, w, dense, v)
+        variants[pallas_name(config)] = lambda q, w, c, s, dense, pc, ps, t, v, select=select: select(q, w, dense, v)
         select = pallas_select(config, k, stored=True)
-        variants[pallas_name(config, stored=True)] = lambda q, w, c, s, dense, v, select=select: select(q, w, (c, s), v)
-    return time_variants("select_fp4", variants, (q, w, codes, scales, dense, visible), unroll, repeats,
+        variants[pallas_name(config, stored=True)] = (lambda q, w, c, s, dense, pc, ps, t, v, select=select:
+                                                      select(q, w, (c, s), v))
+    args = (q, w, codes, scales, dense, codes_pool, scales_pool, table, visible)
+    return time_variants("select_fp4", variants, args, unroll, repeats,
                          {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
                           "key_bytes": {"mxfp4": dim // 2 + dim // 32, "bfloat16": 2 * dim}, "dtype": "mxfp4"})
 

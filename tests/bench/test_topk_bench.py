@@ -34,6 +34,17 @@ def test_a_prefill_query_block_records_each_variant_and_its_picks_agree():
         topk.pallas_configs("128:8")
 
 
+def test_a_decode_step_over_paged_keys_picks_as_over_the_contiguous_keys():
+    """`select`: the handler over the keys in a paged cache's pool (pages scattered through it, a
+    partial last page) picks what it picks over the contiguous keys, and what XLA picks."""
+    from bench import topk
+
+    records = topk.select_case(batch=2, slots=150, heads=16, dim=32, k=8, unroll=1, repeats=1, dtype=jnp.float32)
+    assert [r["variant"] for r in records] == ["xla", "native-graph", "native-eager", "native-graph-paged"]
+    if native.available(jax.default_backend()):
+        assert all(r["picks_equal"] for r in records), records
+
+
 @pytest.mark.parametrize("kind", ["tied", "continuous"])
 def test_the_topk_case_records_its_kind_of_scores_and_the_variants_agree(kind):
     """`topk`: the native top-k (both targets) and `lax.top_k` pick the same entries, on tied
@@ -66,14 +77,15 @@ def test_the_profile_splits_an_operation_into_its_kernels(tmp_path):
 
 
 def test_a_decode_step_over_fp4_keys_times_the_pallas_scoring_on_their_bf16_values():
-    """`select_fp4`: the stored-form selection, the dequantized copy, the bf16 keys and the
-    Pallas scoring over those and over the stored form pick alike."""
+    """`select_fp4`: the stored-form selection (contiguous and in a paged pool's scattered pages),
+    the dequantized copy, the bf16 keys and the Pallas scoring over those and over the stored
+    form pick alike."""
     from bench import topk
 
     records = topk.select_fp4_case(batch=2, slots=64, heads=16, dim=32, k=8, unroll=1, repeats=1,
                                    configs="32:2:4:3")
     names = [r["variant"] for r in records]
-    assert names == ["native-fp4-stored", "native-fp4-dequantized", "native-bf16-keys",
+    assert names == ["native-fp4-stored", "native-fp4-dequantized", "native-bf16-keys", "native-fp4-stored-paged",
                      "native-pallas-scores[b32 t2 w4 s3]+topk", "native-pallas-fp4-scores[b32 t2 w4 s3]+topk"]
     if native.available(jax.default_backend()):
         assert all(r["picks_equal"] for r in records), records
