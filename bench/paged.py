@@ -66,9 +66,7 @@ def paged_copies(stack: stack_mod.Stack, caches: list, batch: int, max_seq_len: 
     holds the pages of ``max_seq_len`` tokens, ``batch * ceil(max_seq_len / page_size)`` pages in
     all (the whole pool), the pool's pages handed out in a seeded random order. The leaves are new
     buffers (the steps donate their caches)."""
-    empty = [a.init_cache(batch, max_seq_len, allow_long_context=True, kv_cache_dtype=stack.kv_cache_dtype,
-                          page_size=page_size).replace(layer_idx=-1) for a in stack.layers]
-    empty = dsv4_jax.reserve_pages(empty, max_seq_len)
+    empty = dsv4_jax.reserve_pages(stack.empty_caches(batch, max_seq_len, page_size), max_seq_len)
     pages = next(c.pages for c in empty if c.pages is not None)
     order = np.random.default_rng(seed).permutation(pages.num_pages).astype(np.int32)
     table = np.where(pages.table >= 0, order[np.maximum(pages.table, 0)], -1).astype(np.int32)

@@ -21,8 +21,9 @@ indexer.entries     [P, E, Di] (or FP4)     the indexer keys' pool, the same pag
 Entry t of row b (tokens ``t*m .. t*m + m - 1``) is row ``t % E`` of pool page
 ``table[b, t // E]``. The step reads the rows through `PagedRows`, which stands for the [B, T, D]
 entries of a contiguous cache (T = ``max_seq_len // m``) wherever the cache's rows are read or
-written (`quantized.read`, `read_picked`, `write_rows`): a CSA step gathers only its picks from
-the pool; the indexer's scoring and HCA's attention read the rows of every held page.
+written (`quantized.read`, `read_picked`, `write_rows`): the sparse attention's kernel reads the
+pool in place by each entry's pool row (`physical`), the XLA path gathers CSA's picks and HCA's
+held rows, the indexer's scoring reads the rows of every held page (`view`).
 
 Who allocates: nothing under a user's `jax.jit`. The layer's eager call takes the pages a call
 needs before it dispatches (`reserve`: a `ValueError` naming the pages needed and free when the

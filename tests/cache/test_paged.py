@@ -144,16 +144,16 @@ ATTENTION_KERNEL = dsv4_jax.KernelPlan(decode_attention="interpret", prefill_att
 
 
 @pytest.mark.parametrize("layer, kv, kernels", [
-    (1, "auto", ATTENTION_KERNEL), (2, "auto", ATTENTION_KERNEL), (1, "fp8", ATTENTION_KERNEL),
-    (2, "fp8", ATTENTION_KERNEL), (2, "auto", "xla"),
-], ids=["csa-kernel", "hca-kernel", "csa-fp8-kernel", "hca-fp8-kernel", "hca-xla"])
+    (1, "auto", ATTENTION_KERNEL), (1, "fp8", ATTENTION_KERNEL), (2, "fp8", ATTENTION_KERNEL), (2, "auto", "xla"),
+], ids=["csa-kernel", "csa-fp8-kernel", "hca-fp8-kernel", "hca-xla"])
 def test_scattered_pages_give_the_contiguous_caches_outputs_through_the_kernel_and_xla(layer, kv, kernels,
                                                                                        monkeypatch):
     """Pages scattered over the pool: the same outputs and caches bit for bit as the contiguous
     cache, with the attention's kernel reading the pool by index (the calls return no
     intermediates: with them the attention takes the XLA path; the XLA cases compare the picks
-    too). A covering set: each layer and row format through the kernel, each layer through the
-    XLA path once."""
+    too). A covering set: CSA's two row formats and HCA's FP8 rows through the kernel, HCA's bf16
+    rows through the XLA path (the op's test has both layers' entries through both paths, and their
+    gradients: tests/ops/test_sparse_attention_kernel.py)."""
     from dsv4_jax.ops.sparse_attention import pallas as sak
 
     read = []  # what the kernel reads the entries from, a call traced
@@ -346,13 +346,13 @@ def test_forking_into_a_short_pool_is_refused_and_changes_nothing():
         jax.jit(lambda c: dsv4_jax.fork_rows(c, 0, 2))(cache)
 
 
-@pytest.mark.parametrize("kernels, tokens", [("auto", 10), (ATTENTION_KERNEL, 3)], ids=["xla", "kernel"])
-def test_gradients_through_a_paged_cache_equal_the_contiguous_caches(kernels, tokens):
-    """jax.grad of a prefill chunk (or a 3-token step through the attention's kernel, whose
-    backward kernel gets the picks gathered from the scattered pages) on a cache holding a
-    prompt, w.r.t. the weights and the input: the same through the pages (their gathers and
-    scatters) as through the contiguous rows."""
-    attn = helpers.random_layer(CFG, 1, seed=3, break_mode="none", kernels=kernels)
+def test_gradients_through_a_paged_cache_equal_the_contiguous_caches():
+    """jax.grad of a prefill chunk on a cache holding a prompt in scattered pages, w.r.t. the
+    weights and the input: the same through the pages (their gathers and scatters) as through the
+    contiguous rows. (Through the attention's kernel and its backward kernel:
+    tests/ops/test_sparse_attention_kernel.py.)"""
+    attn = helpers.random_layer(CFG, 1, seed=3, break_mode="none")
+    tokens = 10
     x = _inputs(tokens=40)
     spec = attn.step_spec()
     grads = {}
