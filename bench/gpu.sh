@@ -45,9 +45,9 @@
 #             side by side in one process (issue 67; bench/paged.py): per (stack, B, context) the contiguous
 #             cache and the same values in scattered pages of 256 tokens, one token a row, and at
 #             QUERY_BATCHES (default 8) x QUERY_CONTEXTS (16384,131072) also 4 a row; STACKS (csa,hca),
-#             BATCHES (1,8,32), CONTEXTS (16384,131072,1048576), PAGED_ARGS (more bench/paged.py arguments);
-#             no cell starts past PAGED_DEADLINE s (default 400), PAGED_TIMEOUT (default 470)
-#             -> $OUT/paged.json, $OUT/paged.log
+#             BATCHES (1,8,32), CONTEXTS (16384,131072,1048576), PAGED_ARGS (more bench/paged.py arguments;
+#             --paged-kernel: the paged cache also with the decode kernel forced); no cell starts past
+#             PAGED_DEADLINE s (default 400), PAGED_TIMEOUT (default 470) -> $OUT/paged.json, $OUT/paged.log
 #   repro     the same bits in every process? bench/reproducibility.py three times with the defaults,
 #             three times with deterministic=True (REPRO_ARGS), one process after another ->
 #             $OUT/repro_<setting>_<i>.json and the summary $OUT/reproducibility.json

@@ -18,6 +18,10 @@ random, ``length`` = context) in each variant (records' ``cache``, ``queries_per
                 scattered over the pool by a seeded permutation, as a server's pages end up. Its
                 entries are the contiguous cache's, copied into the pages before either runs.
 
+``--paged-kernel`` adds the paged cache once more with the sparse attention kernel forced for
+decode (records' ``decode_attention`` "pallas", else "auto"): where the plan takes the XLA path
+(HCA below 1024 entries, CSA below 16 rows), that path gathers a paged HCA cache's entries.
+
 Each variant runs at one query a row, and in the cells of ``--query-batches`` x
 ``--query-contexts`` also at ``--queries`` (S = 4) a row. The loop is the package's fastest:
 the stack's pure steps in one `jax.jit`, no positions argument (each row's next S positions from
@@ -145,11 +149,18 @@ def run(args, write=None) -> tuple[list, dict]:
     env = stack_mod.environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
             "stacks": args.stacks, "caches": list(CACHES), "page_size": args.page_size, "queries": args.queries,
+            "paged_kernel": args.paged_kernel,
             "mode": args.mode, "kv_cache_dtype": args.kv_cache_dtype, "numerics": numerics,
             "deadline_s": args.deadline_s, **env}
-    stacks = {kind: stack_mod.Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, args.mode,
-                                    numerics=numerics, kv_cache_dtype=args.kv_cache_dtype)
-              for kind in args.stacks.split(",")}
+    def make(kind, kernel_args=None):
+        return stack_mod.Stack(cfg, kind, args.layers_per_stack, dtype, args.seed, args.mode, kernel_args=kernel_args,
+                               numerics=numerics, kv_cache_dtype=args.kv_cache_dtype)
+
+    stacks = {kind: make(kind) for kind in args.stacks.split(",")}
+    # --paged-kernel: the paged cache once more with the attention kernel forced for decode (an A/B
+    # of the plan's choice where it takes the XLA path, which gathers a paged HCA cache's entries).
+    forced = {kind: make(kind, argparse.Namespace(decode_kernel=True)) for kind in stacks} if args.paged_kernel else {}
+    plan = [("contiguous", "auto"), ("paged", "auto")] + ([("paged", "pallas")] if args.paged_kernel else [])
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     records: list[dict] = []
     grid = cells(list(stacks), ints(args.batches), ints(args.contexts), ints(args.query_batches),
@@ -174,8 +185,10 @@ def run(args, write=None) -> tuple[list, dict]:
                                                      args.page_size, args.seed)
                 except Exception as err:
                     variants = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-            for cache in CACHES:
-                rec = {**base, "cache": cache, "queries_per_step": queries, "error": None}
+            for cache, attention in plan:
+                key = cache if attention == "auto" else f"{cache}_{attention}"
+                rec = {**base, "cache": cache, "decode_attention": attention, "queries_per_step": queries,
+                       "error": None}
                 if late:
                     rec["error"] = f"skipped: past --deadline-s {args.deadline_s:g} s"
                 elif "error" in variants:
@@ -184,8 +197,11 @@ def run(args, write=None) -> tuple[list, dict]:
                     rec["error"] = "skipped: the contiguous variant of this cell failed"
                 else:
                     try:
-                        fields, h = time_variant(stack, variants.pop(cache), batch, queries, context, max_seq_len,
-                                                 args.steps, args.repeats, args.seed)
+                        if key == "paged" and args.paged_kernel:  # a copy for the forced kernel's run after
+                            variants["paged_pallas"] = jax.tree.map(jnp.copy, variants["paged"])
+                        fields, h = time_variant(stack if attention == "auto" else forced[kind], variants.pop(key),
+                                                 batch, queries, context, max_seq_len, args.steps, args.repeats,
+                                                 args.seed)
                         rec.update(fields)
                         rec["ratio_to_floor"] = rec["per_layer_ms"] / rec["floor_ms"] if gpu else None
                         if cache == "contiguous":
@@ -193,8 +209,8 @@ def run(args, write=None) -> tuple[list, dict]:
                         rec["ratio_to_contiguous"] = rec["per_layer_ms"] / reference[0]
                         rec["max_abs_diff_to_contiguous"] = float(np.max(np.abs(h - reference[1])))
                         if queries == 1:
-                            one_query[cache] = rec["per_layer_ms"]
-                        rec["ratio_to_one_query"] = (rec["per_layer_ms"] / one_query[cache] if cache in one_query
+                            one_query[key] = rec["per_layer_ms"]
+                        rec["ratio_to_one_query"] = (rec["per_layer_ms"] / one_query[key] if key in one_query
                                                      else None)
                     except Exception as err:
                         rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -207,7 +223,8 @@ def run(args, write=None) -> tuple[list, dict]:
 
 
 def _line(rec: dict) -> str:
-    head = f"paged {rec['stack']} B{rec['batch']} L{rec['context_len']} S{rec['queries_per_step']} {rec['cache']}"
+    head = (f"paged {rec['stack']} B{rec['batch']} L{rec['context_len']} S{rec['queries_per_step']} {rec['cache']}"
+            + (" (decode kernel forced)" if rec.get("decode_attention") == "pallas" else ""))
     if rec.get("error"):
         return f"{head}: ERROR {rec['error']}"
     ratio, one = rec.get("ratio_to_floor"), rec.get("ratio_to_one_query")
@@ -227,7 +244,8 @@ def markdown(records: list, meta: dict) -> str:
            "| stack | B | ctx | S | cache | ms / layer | x contiguous | x S = 1 | x floor | host ms / step | "
            "compile s | max diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        cell = f"| {r['stack']} | {r['batch']} | {r['context_len']} | {r['queries_per_step']} | {r['cache']} |"
+        forced = " (kernel)" if r.get("decode_attention") == "pallas" else ""
+        cell = f"| {r['stack']} | {r['batch']} | {r['context_len']} | {r['queries_per_step']} | {r['cache']}{forced} |"
         if r.get("error"):
             out.append(f"{cell} {r['error'][:80]} | | | | | | |")
             continue
@@ -252,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="contexts of the S-token cells (default 16384,131072; tiny: 64)")
     ap.add_argument("--page-size", type=int, default=None,
                     help="tokens a page, a multiple of the compress ratios (default 256; tiny: 16)")
+    ap.add_argument("--paged-kernel", action="store_true",
+                    help="also the paged cache with the sparse attention kernel forced for decode (an A/B of the "
+                         "plan's choice; records' decode_attention 'pallas', else 'auto')")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="the caches' rows (fp8: official numerics)")
     ap.add_argument("--numerics", default="reference", choices=("reference", "official"))

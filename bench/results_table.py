@@ -165,6 +165,7 @@ def paged(records: list[dict]) -> Iterator[Row]:
     for r in records:
         s = r["queries_per_step"]
         case = f"{r['stack']} x{r['n_layers']}, B = {r['batch']}, {_ctx(r['context_len'])}, S = {s}: {r['cache']}"
+        case += " (decode kernel forced)" if r.get("decode_attention") == "pallas" else ""
         if r.get("error"):
             yield case, "not run", str(r["error"]).split(":")[0]
             continue

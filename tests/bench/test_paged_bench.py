@@ -33,11 +33,12 @@ def parse(*argv):
 def test_paged_and_contiguous_caches_compute_the_same_hidden_states_and_record_their_fields():
     written = []
     records, meta = paged.run(parse("--batches", "2", "--contexts", "32", "--query-contexts", "32", "--queries", "3",
-                                    "--steps", "2", "--repeats", "1"),
+                                    "--steps", "2", "--repeats", "1", "--paged-kernel"),
                               write=lambda recs, _: written.append(len(recs)))
-    assert [(r["cache"], r["queries_per_step"]) for r in records] == [
-        ("contiguous", 1), ("paged", 1), ("contiguous", 3), ("paged", 3)]
-    assert written == [1, 2, 3, 4]  # the JSON is written after every record
+    assert [(r["cache"], r["decode_attention"], r["queries_per_step"]) for r in records] == [
+        ("contiguous", "auto", 1), ("paged", "auto", 1), ("paged", "pallas", 1),
+        ("contiguous", "auto", 3), ("paged", "auto", 3), ("paged", "pallas", 3)]
+    assert written == [1, 2, 3, 4, 5, 6]  # the JSON is written after every record
     assert meta["page_size"] == 16 and meta["caches"] == ["contiguous", "paged"]
     for r in records:
         assert r["error"] is None, r["error"]
@@ -45,14 +46,16 @@ def test_paged_and_contiguous_caches_compute_the_same_hidden_states_and_record_t
         assert (r["stack"], r["batch"], r["context_len"], r["n_layers"]) == ("hca", 2, 32, 2)
         assert r["per_layer_ms"] > 0 and r["floor_ms"] > 0 and r["output_finite"]
         assert r["max_abs_diff_to_contiguous"] == 0.0  # the pages hold the contiguous cache's values
-    one, three = records[1], records[3]
-    assert one["output_digest"] == records[0]["output_digest"] and three["output_digest"] == records[2]["output_digest"]
+    one, three = records[1], records[4]
+    assert {r["output_digest"] for r in records[:3]} == {records[0]["output_digest"]}
+    assert {r["output_digest"] for r in records[3:]} == {records[3]["output_digest"]}
     assert records[0]["ratio_to_contiguous"] == 1.0 and one["ratio_to_one_query"] == 1.0
     assert three["ratio_to_one_query"] == three["per_layer_ms"] / one["per_layer_ms"]
     rows = list(results_table.paged(records))
-    assert rows[3][0] == "hca x2, B = 2, 0k, S = 3: paged" and rows[3][1].endswith("x S = 1")
-    assert rows[3][2] == "max diff to contiguous 0.0e+00"
-    assert "| hca | 2 | 32 | 3 | paged |" in paged.markdown(records, meta)
+    assert rows[4][0] == "hca x2, B = 2, 0k, S = 3: paged" and rows[4][1].endswith("x S = 1")
+    assert rows[5][0] == "hca x2, B = 2, 0k, S = 3: paged (decode kernel forced)"
+    assert rows[4][2] == "max diff to contiguous 0.0e+00"
+    assert "| hca | 2 | 32 | 3 | paged (kernel) |" in paged.markdown(records, meta)
 
 
 def test_past_the_deadline_the_cells_are_skipped():
