@@ -119,13 +119,16 @@ class Case:
     size: str = "flash"
     finite_flag: bool = False  # decode, prefill: the steps compute the module call's finite flag
     kernels: Any = "auto"  # the layers' `kernels=` (a name or a `KernelPlan`)
+    page_size: int | None = None  # decode, prefill: paged caches of pages of this many tokens
+    queries: int = 1  # decode: the tokens a row of a step (a verification step: several)
 
 
 def lowered(case: Case, device):
     """The case's program, traced as on the GPU and lowered for CUDA (jax's Lowered)."""
     cfg = stack_mod.stack_config(case.size, case.layers)
     dtype = jnp.bfloat16
-    hidden = jax.ShapeDtypeStruct((case.batch, 1 if case.scenario == "decode" else case.tokens, cfg.hidden_size),
+    hidden = jax.ShapeDtypeStruct((case.batch, case.queries if case.scenario == "decode" else case.tokens,
+                                   cfg.hidden_size),
                                   dtype, sharding=jax.sharding.SingleDeviceSharding(device))
     plan = as_kernel_plan(case.kernels)
     with pretend_gpu():
@@ -144,7 +147,7 @@ def lowered(case: Case, device):
                 attn.kernels = plan
             stack.set_overlap(stack.overlap)  # the specs again, with the plan
             extra = case.tokens + 64 if case.scenario == "decode" else case.tokens
-            caches = jax.eval_shape(lambda: stack.empty_caches(case.batch, stack_mod._round_up(extra)))
+            caches = jax.eval_shape(lambda: stack.empty_caches(case.batch, stack_mod._round_up(extra), case.page_size))
             if case.scenario == "decode":  # bench/stack.py --same-buffers all: what the stacks time
                 jitted, args = stack.jits["all"], (stack.weights, caches, hidden)
             else:

@@ -41,6 +41,13 @@
 #             (stack, B, context): STACKS (default csa,hca), BATCHES (1,8,32), CONTEXTS (2048,16384,131072),
 #             LOOPS_ARGS (more bench/loops.py arguments); no cell starts past LOOPS_DEADLINE s (default 410),
 #             LOOPS_TIMEOUT (default 470) -> $OUT/loops.json, $OUT/loops.log; ~20 s a cell on the H200
+#   paged     paged caches against contiguous ones and an S-token verification step against a decode step,
+#             side by side in one process (issue 67; bench/paged.py): per (stack, B, context) the contiguous
+#             cache and the same values in scattered pages of 256 tokens, one token a row, and at
+#             QUERY_BATCHES (default 8) x QUERY_CONTEXTS (16384,131072) also 4 a row; STACKS (csa,hca),
+#             BATCHES (1,8,32), CONTEXTS (16384,131072,1048576), PAGED_ARGS (more bench/paged.py arguments;
+#             --paged-kernel: the paged cache also with the decode kernel forced); no cell starts past
+#             PAGED_DEADLINE s (default 400), PAGED_TIMEOUT (default 470) -> $OUT/paged.json, $OUT/paged.log
 #   repro     the same bits in every process? bench/reproducibility.py three times with the defaults,
 #             three times with deterministic=True (REPRO_ARGS), one process after another ->
 #             $OUT/repro_<setting>_<i>.json and the summary $OUT/reproducibility.json
@@ -265,6 +272,16 @@ loops() {
   echo "loops rc=$?"
   # the table where the run finished, else the lines it printed as it went
   if grep -q "^| stack" "$OUT/loops.log"; then grep "^|" "$OUT/loops.log" | cut -d"|" -f2-9; else grep "^loops\|Error" "$OUT/loops.log" | cut -c1-140 | tail -90; fi
+}
+
+paged() {
+  timeout "${PAGED_TIMEOUT:-470}" python3 bench/paged.py --size flash --stacks "${STACKS:-csa,hca}" \
+    --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-16384,131072,1048576}" \
+    --query-batches "${QUERY_BATCHES:-8}" --query-contexts "${QUERY_CONTEXTS:-16384,131072}" \
+    --deadline-s "${PAGED_DEADLINE:-400}" --json "$OUT/paged.json" ${PAGED_ARGS:-} >"$OUT/paged.log" 2>&1
+  echo "paged rc=$?"
+  # the table where the run finished, else the lines it printed as it went
+  if grep -q "^| stack" "$OUT/paged.log"; then grep "^|" "$OUT/paged.log"; else grep "^paged\|Error" "$OUT/paged.log" | cut -c1-160 | tail -60; fi
 }
 
 for cmd in "$@"; do

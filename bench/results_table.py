@@ -159,6 +159,22 @@ def loops(records: list[dict]) -> Iterator[Row]:
                    f"host {r['host_dispatch_ms']:.2f} ms a step")
 
 
+def paged(records: list[dict]) -> Iterator[Row]:
+    """bench/paged.py: paged caches against contiguous ones, S tokens a row against one (issue 67:
+    within 1.05x; an S = 4 step at most 1.3x an S = 1 step)."""
+    for r in records:
+        s = r["queries_per_step"]
+        case = f"{r['stack']} x{r['n_layers']}, B = {r['batch']}, {_ctx(r['context_len'])}, S = {s}: {r['cache']}"
+        case += " (decode kernel forced)" if r.get("decode_attention") == "pallas" else ""
+        if r.get("error"):
+            yield case, "not run", str(r["error"]).split(":")[0]
+            continue
+        figure = f"{r['per_layer_ms']:.3f} ms a layer, {r['ratio_to_contiguous']:.3f}x contiguous"
+        if s != 1 and r.get("ratio_to_one_query") is not None:
+            figure += f", {r['ratio_to_one_query']:.2f}x S = 1"
+        yield case, figure, f"max diff to contiguous {r['max_abs_diff_to_contiguous']:.1e}"
+
+
 # The cited records: (scenario, record under bench/results/, command, machine, commit that added it, extractor).
 SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row]]]] = [
     ("Stacks of 4 layers on the same buffers (decode, prefill), the module call",

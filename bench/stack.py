@@ -172,11 +172,12 @@ class Stack:
         self.overlap_active = any(spec.plan.overlap for spec in self.specs)
         self.jits = STACK_STEPS[self.overlap_active]
 
-    def empty_caches(self, batch: int, max_seq_len: int):
+    def empty_caches(self, batch: int, max_seq_len: int, page_size: int | None = None):
         # allow_long_context: a decode from a context of max_position_embeddings tokens needs a
         # few slots past it (the steps timed, rounded up); the cost is what is measured here.
-        return [a.init_cache(batch, max_seq_len, allow_long_context=True, kv_cache_dtype=self.kv_cache_dtype)
-                .replace(layer_idx=-1) for a in self.layers]
+        # page_size: paged caches (`dsv4_jax.cache.paged`), no page held yet.
+        return [a.init_cache(batch, max_seq_len, allow_long_context=True, kv_cache_dtype=self.kv_cache_dtype,
+                             page_size=page_size).replace(layer_idx=-1) for a in self.layers]
 
     def synthetic_caches(self, batch: int, max_seq_len: int, context: int, seed: int):
         """Caches as after `context` tokens: every leaf random (see the module docstring)."""

@@ -21,10 +21,11 @@ indexer.entries     [P, E, Di] (or FP4)     the indexer keys' pool, the same pag
 Entry t of row b (tokens ``t*m .. t*m + m - 1``) is row ``t % E`` of pool page
 ``table[b, t // E]``. The step reads the rows through `PagedRows`, which stands for the [B, T, D]
 entries of a contiguous cache (T = ``max_seq_len // m``) wherever the cache's rows are read or
-written (`quantized.read`, `read_picked`, `write_rows`): a CSA step gathers only its picks from
-the pool; HCA's attention and the XLA and host selections read the rows of every held page
-(`view`). The indexer's native selection and its Pallas scoring kernel read the keys in their
-pages through the table (`native.Pages`; `indexer_native.select_native` decides), no gathered copy.
+written (`quantized.read`, `read_picked`, `write_rows`). Who reads the pages in place: the
+sparse attention's kernel (each entry by its pool row, `physical`), the indexer's native
+selection and its Pallas scoring kernel (through the table: `native.Pages`, decided in
+`indexer_native.select_native`). The XLA paths gather: CSA's picks, HCA's held rows and the
+XLA and host selections' keys (`view`).
 
 Who allocates: nothing under a user's `jax.jit`. The layer's eager call takes the pages a call
 needs before it dispatches (`reserve`: a `ValueError` naming the pages needed and free when the

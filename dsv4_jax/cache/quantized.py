@@ -159,29 +159,40 @@ def read(rows) -> Array:
 
 def read_picked(entries, picks: Array) -> tuple[Array, Array]:
     """(rows, picks) for sparse attention over a CSA layer's picks of `entries`.
-    Paged entries (`paged.PagedRows`, plain or FP8) are read the same way: the picked rows
-    gathered from their pages.
 
-    entries [B, T, D] or `QuantizedRows`; picks [B, S, K] int32 (-1 = nothing). Where the
-    entries are FP8 and the picks are fewer rows than the cache holds (``S * K < T``: a decode
-    step, or a short chunk on a long context), only the picked rows are gathered from the
-    compact arrays and dequantized: rows [B, S*K, D] with picks ``s*K + j`` (-1 kept), the
-    same keys in the same order, so every attention path gives the same result as over the
-    whole dequantized cache. Otherwise (`read`) the entries as they are and the same picks.
+    entries [B, T, D] or `QuantizedRows`, or `paged.PagedRows` of either; picks [B, S, K] int32
+    (-1 = nothing). Where the entries are FP8 and the picks are fewer rows than the cache holds
+    (``S * K < T``: a decode step, or a short chunk on a long context), only the picked rows are
+    gathered from the compact arrays (from their pages where paged) and dequantized: rows
+    [B, S*K, D] with picks ``s*K + j`` (-1 kept), the same keys in the same order, so every
+    attention path gives the same result as over the whole dequantized cache. Otherwise
+    (`read_attended`) the entries as they are, paged ones kept paged, and the same picks: the
+    attention reads the picks from the pages itself (`sparse_attention`).
     """
-    paged = isinstance(entries, PagedRows)
-    if not (paged or isinstance(entries, QuantizedRows)):
+    quantized = isinstance(entries.pool if isinstance(entries, PagedRows) else entries, QuantizedRows)
+    if not quantized:
         return entries, picks
     batch, seq, k = picks.shape
     if seq * k >= entries.shape[1]:
-        return read(entries), picks
+        return read_attended(entries), picks
     at = jnp.maximum(picks, 0).reshape(batch, seq * k)
-    if paged:  # the picked rows straight from their pages
+    if isinstance(entries, PagedRows):  # the picked rows straight from their pages
         gathered = entries.take(at)
     else:
         gathered = jax.tree.map(lambda a: jnp.take_along_axis(a, at[..., None], axis=1), entries)
     slots = jnp.arange(seq * k, dtype=jnp.int32).reshape(1, seq, k)
     return read(gathered), jnp.where(picks >= 0, slots, -1).astype(picks.dtype)
+
+
+def read_attended(rows):
+    """The rows as sparse attention reads them: `read`, except that paged rows stay paged
+    (`paged.PagedRows`, read by index from the pool, `sparse_attention`), their pool dequantized
+    where FP8. Dequantizing the pool is the work a contiguous FP8 cache does on its [B, T] rows
+    when the pool holds the pages its rows need (a server's spare pages cost their share);
+    gathering the rows first and dequantizing those would add a pass over every row read."""
+    if isinstance(rows, PagedRows):
+        return rows.replace(pool=read(rows.pool))
+    return read(rows)
 
 
 def write_rows(target, index: Array, values: Array):

@@ -48,7 +48,7 @@ from dsv4_jax.cache.contiguous import (
     real_tokens,
 )
 from dsv4_jax.cache.history import keep_evicted
-from dsv4_jax.cache.quantized import check_cache_numerics, read, read_picked
+from dsv4_jax.cache.quantized import check_cache_numerics, read, read_attended, read_picked
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_jax.ops.compress.reference import CompressorWeights, compress, visible_entries
 from dsv4_jax.ops.indexer.reference import IndexerWeights, head_weights, index_queries
@@ -427,11 +427,12 @@ def attention_step(weights: AttentionWeights, cache: AttentionCache, hidden_stat
 
     # 5. Sparse attention over [window | picked or visible entries] with the sink.
     # An FP8 cache's rows are read dequantized (the values a bf16 cache holds, `quantized_cache`);
-    # a CSA step dequantizes only its picks where they are fewer than the cache's rows.
+    # a CSA step dequantizes only its picks where they are fewer than the cache's rows. Paged
+    # entries stay in their pool: the attention reads them by index through the page table.
     entries, picks = None, stages.picks
     if stages.compressor is not None:
         entries, picks = (read_picked(stages.compressor.entries, picks) if picks is not None
-                          else (read(stages.compressor.entries), None))
+                          else (read_attended(stages.compressor.entries), None))
     visible = visible_entries(positions, spec.ratio) if spec.layer_type != SLIDING else None
     with jax.named_scope("sparse_attention"):
         pool, window_idx, in_place = key_pool(read(cache.window), read(stages.window), stages.kv, positions, length,

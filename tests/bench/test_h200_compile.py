@@ -57,6 +57,16 @@ def test_a_decode_step_is_one_cuda_graph_with_every_kernel(stack, batch):
     assert row["native_calls"] == (1 if stack == "csa" and NATIVE_CUDA else 0)
 
 
+@pytest.mark.parametrize("stack, queries", [("csa", 1), ("hca", 4)])
+def test_a_paged_decode_step_is_one_cuda_graph_with_every_kernel(stack, queries):
+    """A paged cache (pages of 256 tokens; `dsv4_jax.cache.paged`): the attention kernel reads the
+    pool in place by the entries' pool rows; a decode step and a 4-token verification step
+    compile with every kernel, all of it inside one command buffer."""
+    row = _census("decode", stack, 4, 2048, kernels=EVERY_KERNEL, page_size=256, queries=queries)
+    assert row["command_buffers"] == 1 and row["outside_command_buffers"] == {}
+    assert row["triton_calls"] >= (3 if stack == "csa" else 2)
+
+
 @pytest.mark.skipif(not NATIVE_CUDA, reason="the CUDA handlers are not built (no nvcc at install)")
 def test_the_finite_flag_stays_inside_the_cuda_graph():
     """The module call's flag (`dsv4_jax.step.finite_flag`): its custom call is a node of the step's graph."""

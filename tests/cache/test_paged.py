@@ -2,7 +2,8 @@
 
 The contract: a paged cache gives the contiguous cache's outputs and picks bit for bit (prefill
 chunks, decode steps, several tokens a step, ragged rows, reset rows, every break mode, bf16 and
-FP8 rows, the layer's calls and the user's own jit); a row holds only the pages its tokens need,
+FP8 rows, the layer's calls and the user's own jit, pages scattered over the pool, the XLA path and
+the attention's kernel, which reads the pool in place, and their gradients); a row holds only the pages its tokens need,
 takes them as it grows and gives them back on `reset_rows`; nothing takes pages under a jit (a
 step past a row's pages leaves it unchanged, NaN); a pool too small, a page table pointing
 outside the pool or a page held twice without a fork is refused, the cache unchanged.
@@ -33,17 +34,22 @@ SCHEDULE = (13, 13, 13, 1, 1, 1, 3)  # prefill chunks mid-window, decode steps, 
 LAYERS = pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
 
 
-def _calls(attn, cache, x, schedule=SCHEDULE, ragged: bool = False):
+def _calls(attn, cache, x, schedule=SCHEDULE, ragged: bool = False, picks: bool = True):
     """The layer's calls over `x` in chunks of `schedule`: [(output, picks, cache)] after each.
-    `ragged`: row 1 pads the last 2 slots of every chunk longer than 2 (position -1)."""
+    `ragged`: row 1 pads the last 2 slots of every chunk longer than 2 (position -1). `picks`:
+    the calls return their intermediates (the picks; the attention then takes the XLA path,
+    which the masses need), else picks None."""
     runs, start = [], np.asarray(cache.length).astype(np.int64)  # each row continues its cache
     for n in schedule:
         pos = (start[:, None] + np.arange(n)).astype(np.int32)
         if ragged and n > 2:
             pos[1, -2:] = -1
         chunk = np.stack([x[b, start[b]:start[b] + n] for b in range(x.shape[0])])
-        out, cache, inter = attn(jnp.asarray(chunk), jnp.asarray(pos), cache, return_intermediates=True)
-        runs.append((np.asarray(out), None if inter.topk is None else np.asarray(inter.topk), cache))
+        if picks:
+            out, cache, inter = attn(jnp.asarray(chunk), jnp.asarray(pos), cache, return_intermediates=True)
+        else:
+            (out, cache), inter = attn(jnp.asarray(chunk), jnp.asarray(pos), cache), None
+        runs.append((np.asarray(out), None if inter is None or inter.topk is None else np.asarray(inter.topk), cache))
         start += (pos >= 0).sum(axis=1)
     return runs
 
@@ -181,6 +187,67 @@ def test_a_paged_fp8_cache_gives_the_contiguous_fp8_caches_values(layer):
     got = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype="fp8", page_size=PAGE), x, schedule=(13, 13, 1, 3))
     _assert_same_runs(got, want, "paged fp8")
     assert isinstance(got[-1][2].compressor.entries, dsv4_jax.cache.quantized.QuantizedRows)
+
+
+def _scattered(cache, table=((7, 2, 10, 4), (1, 11, 5, 8))):
+    """`cache` (rows empty, a pool of 12 pages) with its rows holding the pages of `table`,
+    scattered over the pool, neither in order nor next to each other."""
+    table = np.asarray(table, np.int32)
+    refs = np.zeros(cache.pages.num_pages, np.int32)
+    refs[table[table >= 0]] = 1
+    return cache.replace(pages=cache.pages.replace(table=table, refs=refs))
+
+
+# The attention's kernel in interpret mode (the other stages XLA's): it reads the paged entries
+# in place, by their pool rows (`pallas.paged_source`), and tiny sizes make every call of a
+# forced kernel: prefill 13, decode, a 3-token step.
+ATTENTION_KERNEL = dsv4_jax.KernelPlan(decode_attention="interpret", prefill_attention="interpret",
+                                       split_merge="interpret", decode_blocks=(4, 2, 4, 1))
+
+
+@pytest.mark.parametrize("layer, kv, kernels", [
+    (1, "auto", ATTENTION_KERNEL), (1, "fp8", ATTENTION_KERNEL), (2, "fp8", ATTENTION_KERNEL), (2, "auto", "xla"),
+], ids=["csa-kernel", "csa-fp8-kernel", "hca-fp8-kernel", "hca-xla"])
+def test_scattered_pages_give_the_contiguous_caches_outputs_through_the_kernel_and_xla(layer, kv, kernels,
+                                                                                       monkeypatch):
+    """Pages scattered over the pool: the same outputs and caches bit for bit as the contiguous
+    cache, with the attention's kernel reading the pool by index (the calls return no
+    intermediates: with them the attention takes the XLA path; the XLA cases compare the picks
+    too). A covering set: CSA's two row formats and HCA's FP8 rows through the kernel, HCA's bf16
+    rows through the XLA path (the op's test has both layers' entries through both paths, and their
+    gradients: tests/ops/test_sparse_attention_kernel.py)."""
+    from dsv4_jax.ops.sparse_attention import pallas as sak
+
+    read = []  # what the kernel reads the entries from, a call traced
+    real = sak.sparse_attention_kernel
+    monkeypatch.setattr(sak, "sparse_attention_kernel",
+                        lambda *a, **k: read.append(type(k["entries"]).__name__) or real(*a, **k))
+    numerics = dict(numerics="official") if kv == "fp8" else {}
+    attn = helpers.random_layer(CFG, layer, seed=3, break_mode="none", kernels=kernels, **numerics)
+    x = _inputs()
+    schedule, picks = (13, 1, 3), kernels == "xla"
+    want = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype=kv), x, schedule, picks=picks)
+    got = _calls(attn, _scattered(attn.init_cache(2, MAX_SEQ, kv_cache_dtype=kv, page_size=PAGE, num_pages=12)),
+                 x, schedule, picks=picks)
+    _assert_same_runs(got, want, f"scattered pages, {kernels}")
+    assert got[-1][2].pages.table.tolist() == [[7, 2, 10, 4], [1, 11, 5, 8]]
+    if kernels != "xla":  # the contiguous calls' then the paged calls' (CSA's FP8 picks: gathered, dequantized)
+        paged_reads = ["DynamicJaxprTracer"] * 2 if (layer, kv) == (1, "fp8") else ["PagedRows"] * 2
+        assert read == ["DynamicJaxprTracer"] * 3 + ["PagedRows"] + paged_reads, read
+
+
+def test_the_kernel_reads_paged_entries_by_pool_row():
+    """`paged_source`: the pool flattened, each entry slot at its pool row ``page * E + t % E``,
+    -1 kept, a slot on a page the row does not hold read as no key."""
+    from dsv4_jax.ops.sparse_attention.pallas import paged_source
+
+    pool = jnp.arange(12 * 4 * 2, dtype=jnp.float32).reshape(12, 4, 2)  # 12 pages of 4 entries
+    rows = paged.PagedRows(pool=pool, table=jnp.asarray([[7, 2, -1, -1], [1, 11, 5, 8]], jnp.int32), slots=16)
+    idx = jnp.asarray([[0, 5, -1, 9], [3, 4, 15, -1]], jnp.int32)  # [R = B, K]; row 0's slot 9 is on no page
+    flat, at = paged_source(rows, idx, 2)
+    assert flat.shape == (1, 48, 2)
+    assert at.tolist() == [[28, 9, -1, -1], [7, 44, 35, -1]]
+    np.testing.assert_array_equal(flat[0, at[1, :3]], np.asarray(rows.view())[1, [3, 4, 15]])
 
 
 def test_a_sliding_layers_cache_has_nothing_to_page():
@@ -342,20 +409,23 @@ def test_forking_into_a_short_pool_is_refused_and_changes_nothing():
 
 
 def test_gradients_through_a_paged_cache_equal_the_contiguous_caches():
-    """jax.grad of a prefill chunk on a cache holding a prompt, w.r.t. the weights and the input:
-    the same through the pages (their gathers and scatters) as through the contiguous rows."""
+    """jax.grad of a prefill chunk on a cache holding a prompt in scattered pages, w.r.t. the
+    weights and the input: the same through the pages (their gathers and scatters) as through the
+    contiguous rows. (Through the attention's kernel and its backward kernel:
+    tests/ops/test_sparse_attention_kernel.py.)"""
     attn = helpers.random_layer(CFG, 1, seed=3, break_mode="none")
+    tokens = 10
     x = _inputs(tokens=40)
     spec = attn.step_spec()
     grads = {}
-    for kind, paging in (("contiguous", {}), ("paged", dict(page_size=PAGE))):
-        cache = _calls(attn, attn.init_cache(2, MAX_SEQ, **paging), x, schedule=(30,))[-1][2]
-        cache = dsv4_jax.reserve_pages(cache, 10) if paging else cache
+    for kind, paging in (("contiguous", {}), ("paged", dict(page_size=PAGE, num_pages=12))):
+        cache = attn.init_cache(2, MAX_SEQ, **paging)
+        cache = _calls(attn, _scattered(cache) if paging else cache, x, schedule=(30,), picks=False)[-1][2]
         cache = cache.replace(length=jnp.asarray(cache.length))
 
         def loss(weights, hidden, cache=cache):
             out, _, _ = dsv4_jax.attention_step(weights, cache, hidden, None, spec)
             return jnp.sum(out * out)
 
-        grads[kind] = jax.jit(jax.grad(loss, argnums=(0, 1)))(attn.weights(), jnp.asarray(x[:, 30:40]))
+        grads[kind] = jax.jit(jax.grad(loss, argnums=(0, 1)))(attn.weights(), jnp.asarray(x[:, 30:30 + tokens]))
     helpers.assert_trees_close(grads["paged"], grads["contiguous"], "gradients", rtol=1e-6, atol=1e-7)

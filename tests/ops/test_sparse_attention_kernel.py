@@ -237,6 +237,52 @@ def test_forced_prefill_blocks_may_skip_masked_entry_blocks(monkeypatch):
     np.testing.assert_allclose(got, _xla(q, pool, widx, sinks, kwargs), atol=2e-5, rtol=2e-5)
 
 
+def _paged(entries, page_entries: int, seed: int = 0):
+    """`entries` [B, T, D] as `PagedRows`: each row's pages scattered over a pool with 2 spare pages."""
+    from dsv4_jax.cache.paged import PagedRows
+
+    b, t, d = entries.shape
+    per_row = -(-t // page_entries)
+    table = np.random.default_rng(seed).permutation(b * per_row + 2)[:b * per_row].reshape(b, per_row)
+    padded = np.zeros((b, per_row * page_entries, d), np.float32)
+    padded[:, :t] = np.asarray(entries, np.float32)
+    pool = np.zeros((b * per_row + 2, page_entries, d), np.float32)
+    pool[table.reshape(-1)] = padded.reshape(b * per_row, page_entries, d)
+    return PagedRows(pool=jnp.asarray(pool, entries.dtype), table=jnp.asarray(table, jnp.int32), slots=t)
+
+
+@pytest.mark.parametrize("kind, s", [("csa", 1), ("hca", 1), ("csa", 3), ("hca", 9)])
+def test_paged_entries_give_the_contiguous_entries_results_and_gradients(kind, s):
+    """Entries in scattered pages (`PagedRows`): the kernel reads the pool in place, the XLA path
+    gathers; both give what they give on the contiguous entries, bit for bit, and the gradient
+    (the backward kernel on the gathered entries) is the contiguous one's, at the pages' rows."""
+    q, pool, widx, sinks, kwargs = query_inputs(kind, b=3, h=4, d=8, w=12, t=13, k=6, dtype=jnp.float32,
+                                                starts=[0, 5, 40], s=s)
+    paged = _paged(kwargs["entries"], page_entries=4)
+    plan = KernelPlan(decode_attention="interpret", prefill_attention="interpret", decode_blocks=(4, 2, 4, 1),
+                      prefill_blocks=(4, 2, 4, 1, 1))
+
+    def run(rows, as_entries, kernels):  # (o, (dq, d rows)); rows: the entries' array or the pool
+        def loss(q, rows):
+            o = sa.sparse_attention(q, pool, widx, sinks, **{**kwargs, "entries": as_entries(rows)}, kernels=kernels,
+                                    precision=jax.lax.Precision.HIGHEST).o
+            return jnp.sum(o * o), o
+
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(q, rows)
+        return o, grads
+
+    for kernels in (plan, XLA):
+        want, (dq_want, dents_want) = run(kwargs["entries"], lambda rows: rows, kernels)
+        got, (dq_got, dpool) = run(paged.pool, lambda rows: paged.replace(pool=rows), kernels)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(dq_got, dq_want)
+        # The pool's gradient: each slot's at its page's row, zero on the spare pages.
+        at = paged.physical(jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (3, 13)))
+        flat = dpool.reshape(-1, 8)
+        np.testing.assert_allclose(flat[at], dents_want, atol=1e-6, rtol=1e-6)
+        assert float(jnp.abs(flat).sum()) == pytest.approx(float(jnp.abs(dents_want).sum()), rel=1e-6)
+
+
 @pytest.mark.skipif(ON_GPU, reason="a CPU machine's export")
 def test_a_cpu_machine_exports_the_decode_step_for_cuda_with_the_xla_path():
     # Shapes the kernel takes, in its CUDA default case (one-row HCA decode): Pallas lowers a

@@ -6,7 +6,9 @@ and the weighted sum as separate fusions over those copies. Here one `pallas_cal
 backend on the GPU; `interpret=True` runs the same kernel on any backend, which is how the
 CPU tests run it) reads each key straight from its source by index and keeps an online
 softmax (flash decoding), for decode and prefill alike: every query is a row of its own,
-R = B * S rows, and row r reads the sources of batch row r // S.
+R = B * S rows, and row r reads the sources of batch row r // S. A paged cache's entries are
+one source shared by every row, the pool flattened to [1, P*E, D], read at each entry's pool row
+(`paged_source`): the same loads, no copy of a row's entries into [B, T, D] first.
 
     grid (R, H / bh, splits); program (r, h, j) owns heads h*bh .. h*bh+bh-1 of query row r
     and the key blocks j, j + splits, ... of its window (from the pool) and then of its entries
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsv4_jax.backend import Array
+from dsv4_jax.cache.paged import PagedRows
 from dsv4_jax.ops.rope import derotate_output
 from dsv4_jax.ops.sparse_attention import split_merge_pallas as split_merge_kernel
 
@@ -162,7 +165,8 @@ def _pad_indices(idx: Array, block: int) -> Array:
 
 
 def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: int, n_window: int,
-            n_entries: int, dtype, finish: bool, skip_masked_blocks: bool, with_lse: bool = False):
+            n_entries: int, dtype, finish: bool, skip_masked_blocks: bool, with_lse: bool = False,
+            shared_entries: bool = False):
     refs = list(refs)
     widx_ref = refs.pop(0)
     eidx_ref = refs.pop(0) if n_entries else None
@@ -176,10 +180,10 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
     q = q_ref[...]  # [bh, D]
     exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32 for float32
 
-    def key_block(src_ref, idx_ref, blk, carry):
+    def key_block(src_ref, row, idx_ref, blk, carry):
         acc, m, total = carry
         idx = idx_ref[r, pl.ds(blk * block_keys, block_keys)]  # [bk]
-        k = src_ref[src, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D], gathered by index
+        k = src_ref[row, jnp.maximum(idx, 0), :].astype(dtype)  # [bk, D], gathered by index
         dots = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=exact,
                                    preferred_element_type=jnp.float32)
         s = (dots.astype(dtype) * scale).astype(jnp.float32)  # the reference's rounding order
@@ -192,19 +196,20 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
             p.astype(dtype), k, (((1,), (0,)), ((), ())), precision=exact, preferred_element_type=jnp.float32)
         return acc, m_new, total * alpha + jnp.sum(p, axis=1)
 
-    def loop(src_ref, idx_ref, n_blocks, carry):
+    def loop(src_ref, row, idx_ref, n_blocks, carry):
         # One split (prefill) and a static n_blocks: a static trip count, which Triton's
         # pipeliner handles best.
         count = n_blocks if splits == 1 else jnp.maximum(0, (n_blocks - j + splits - 1) // splits)
-        return jax.lax.fori_loop(0, count, lambda i, c: key_block(src_ref, idx_ref, j + i * splits, c), carry)
+        return jax.lax.fori_loop(0, count, lambda i, c: key_block(src_ref, row, idx_ref, j + i * splits, c), carry)
 
     bh, d = q.shape
     carry = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32))
-    carry = loop(pool_ref, widx_ref, n_window, carry)
+    carry = loop(pool_ref, src, widx_ref, n_window, carry)
     if n_entries:
         # skip_masked_blocks: only up to the row's last entry block with a key (a prompt's early
-        # queries see few entries; their picks past those are -1).
-        carry = loop(ents_ref, eidx_ref, eblocks_ref[r] if skip_masked_blocks else n_entries, carry)
+        # queries see few entries; their picks past those are -1). Paged entries: one pool, row 0.
+        carry = loop(ents_ref, 0 if shared_entries else src, eidx_ref,
+                     eblocks_ref[r] if skip_masked_blocks else n_entries, carry)
     if finish:  # one split: merge the sink here, as `combine` does for one split
         acc, m, total = carry
         sink = sink_ref[...]
@@ -219,11 +224,13 @@ def _kernel(*refs, scale: float, block_keys: int, splits: int, rows_per_source: 
 
 
 def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, block_keys, block_heads,
-          num_warps, num_stages, splits, interpret, skip_masked_blocks=False, with_lse=False):
+          num_warps, num_stages, splits, interpret, skip_masked_blocks=False, with_lse=False,
+          shared_entries=False):
     """The pallas_call over R query rows; row r reads the sources' row r // rows_per_source.
 
     q [R, H, D]; pool [R / rows_per_source, P, D] with window_idx [R, W] (-1 = no key);
-    entries [R / rows_per_source, T, D] with entry_idx [R, K] (-1 = no key), or both None.
+    entries [R / rows_per_source, T, D] with entry_idx [R, K] (-1 = no key), or both None;
+    `shared_entries`: entries [1, N, D] read by every row (a paged cache's pool, `paged_source`).
     sinks None: per split, the un-normalised output and its softmax statistics, acc
     [R, splits, H, D], m [R, splits, H] (-inf: the split saw no key) and total [R, splits, H]
     (the sum of exp(s - m)), all float32, for `combine`. sinks [H] (one split only): the
@@ -240,7 +247,7 @@ def _call(q, pool, window_idx, entries, entry_idx, sinks, *, rows_per_source, bl
     kernel = functools.partial(_kernel, scale=d ** -0.5, block_keys=block_keys, splits=splits,
                                rows_per_source=rows_per_source, n_window=n_window, n_entries=n_entries,
                                dtype=q.dtype, finish=finish, skip_masked_blocks=skip_masked_blocks,
-                               with_lse=with_lse)
+                               with_lse=with_lse, shared_entries=shared_entries)
     whole = pl.no_block_spec
     index_args = [widx] + ([eidx] if n_entries else [])
     if n_entries and skip_masked_blocks:  # [R] int32: entry blocks up to the row's last key
@@ -300,6 +307,19 @@ def entry_indices(rows: int, entries: Array | None, picks: Array | None, visible
     return jnp.where(w < visible.reshape(rows, 1), w, -1)
 
 
+def paged_source(entries: PagedRows, entry_idx: Array, batch: int) -> tuple[Array, Array]:
+    """A paged cache's entries as the kernel's source: (the pool flattened to [1, P*E, D], every
+    row's source; entry_idx [R, K] (entry slots of batch row r // (R / batch), -1 = none) as pool
+    rows ``table[b, t // E] * E + t % E``, -1 kept). A slot on a page the row does not hold is
+    no key (-1): only a row stepping past its pages reads one, and its output is NaN by contract
+    (`paged.row_limit`); a contiguous cache's row holds zeros there."""
+    pool = entries.pool
+    n = pool.shape[0] * pool.shape[1]
+    rows, k = entry_idx.shape
+    flat = entries.physical(entry_idx.reshape(batch, (rows // batch) * k)).reshape(rows, k)
+    return pool.reshape(1, n, *pool.shape[2:]), jnp.where(flat < n, flat, -1)
+
+
 def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Array, *,
                             entries: Array | None = None, picks: Array | None = None,
                             visible: Array | None = None, interpret: bool = False,
@@ -309,8 +329,9 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
                             with_lse: bool = False, rotation: tuple | None = None, merge: str = "xla"):
     """`sparse_attention` by the kernel (no attention masses): the same arguments.
 
-    q [B, S, H, D], pool [B, W+S, D], window_idx [B, S, W], sinks [H]; entries [B, T, D] with
-    picks [B, S, K] (CSA) or visible [B, S] (HCA: entries w < visible), or neither (sliding).
+    q [B, S, H, D], pool [B, W+S, D], window_idx [B, S, W], sinks [H]; entries [B, T, D] (or
+    `PagedRows` standing for them, a pool of the compute dtype: read in place, `paged_source`)
+    with picks [B, S, K] (CSA) or visible [B, S] (HCA: entries w < visible), or neither (sliding).
     Returns o [B, S, H, D] in q's dtype; `with_lse`: (o, lse [B, S, H] float32), lse the
     softmax's log-normaliser over the keys and the sink (`sparse_attention_backward`'s input).
 
@@ -327,12 +348,16 @@ def sparse_attention_kernel(q: Array, pool: Array, window_idx: Array, sinks: Arr
     """
     b, s, h, d = q.shape
     entry_idx = entry_indices(b * s, entries, picks, visible)
+    shared = isinstance(entries, PagedRows)
+    if shared:
+        entries, entry_idx = paged_source(entries, entry_idx, b)
     rows = q.reshape(b * s, h, d)
     widx = window_idx.reshape(b * s, -1)
     if splits is None:
         splits = default_splits(rows, widx, entry_idx, block_keys, block_heads)
     blocks = dict(rows_per_source=s, block_keys=block_keys, block_heads=block_heads, num_warps=num_warps,
-                  num_stages=num_stages, splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks)
+                  num_stages=num_stages, splits=splits, interpret=interpret, skip_masked_blocks=skip_masked_blocks,
+                  shared_entries=shared)
     if splits == 1:
         o = _call(rows, pool, widx, entries, entry_idx, sinks, **blocks, with_lse=with_lse)
     elif merge != "xla" and not with_lse and split_merge_kernel.supports(q, rotation):

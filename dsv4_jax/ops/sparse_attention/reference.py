@@ -14,6 +14,15 @@ that the gathered keys [B, block, W + K, D] bound peak memory on long prefills.
 Per head h, ``logit = q . key * D^-1/2``; a learned sink logit joins the softmax
 denominator only (zero value vector); probabilities are float32, cast to the value dtype,
 and the weighted sum accumulates in float32.
+
+A paged cache's entries (`PagedRows`: a pool [P, E, D] and the rows' page table) are read in
+place by the kernel: its source is the pool flattened to [1, P*E, D], shared by every query row,
+and its indices the entries' pool rows (`pallas.paged_source`), so no step copies them into a
+[B, T, D] array. The XLA path gathers them as it gathers a contiguous cache's: CSA's picks at
+their pool rows (one gather), HCA's every slot (`PagedRows.view`: its dots read [B, T, D]). So
+does the gradient of the kernel (`contiguous_entries`: the backward kernels take contiguous
+entries, HCA's visible prefix as a range; their gradients go back to the pool by the gather's
+transpose).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.backend import QUERY_BLOCK, Array, einsum, map_query_blocks, reference_vjp
+from dsv4_jax.cache.paged import PagedRows
 from dsv4_jax.ops.kernel_plan import AUTO, KernelPlan
 from dsv4_jax.ops.rope import apply_rope, derotate_output
 from dsv4_jax.ops.sparse_attention import backward_triton as sparse_attention_backward
@@ -121,6 +131,21 @@ def key_pool(window_before: Array, window_after: Array, keys: Array, positions: 
     return jnp.concatenate([ordered, keys], axis=1), window_indices(positions, length, window), False
 
 
+def contiguous_entries(entries, picks: Array | None) -> tuple:
+    """(entries, picks) as a contiguous cache's: paged entries (`PagedRows`) gathered from their
+    pool, CSA's picks only where they are fewer than a row's slots (``S * K < T``: rows
+    [B, S*K, D], picks ``s*K + j``, -1 kept; the same keys in the same order), else every slot
+    (`PagedRows.view`, [B, T, D]); contiguous entries (or None) as they are."""
+    if not isinstance(entries, PagedRows):
+        return entries, picks
+    if picks is not None and picks.shape[1] * picks.shape[2] < entries.shape[1]:
+        b, s, k = picks.shape
+        rows = entries.take(jnp.maximum(picks, 0).reshape(b, s * k))
+        slots = jnp.arange(s * k, dtype=jnp.int32).reshape(1, s, k)
+        return rows, jnp.where(picks >= 0, slots, -1).astype(picks.dtype)
+    return entries.view(), picks
+
+
 def sparse_attention(
     q: Array,
     pool: Array,
@@ -146,7 +171,9 @@ def sparse_attention(
                              call's rotated keys] (P = W+S), or (decode) the updated cache (P = W)
     window_idx [B, S, W]     int32 pool indices, -1 = no key (from `window_indices` or `key_pool`)
     sinks      [H]           float32 sink logits
-    entries    [B, T, D]     compressed entries (CSA/HCA), or None (sliding)
+    entries    [B, T, D]     compressed entries (CSA/HCA), or None (sliding); or `PagedRows`
+                             standing for them (a pool of the compute dtype: an FP8 pool is
+                             dequantized first, `quantized.read_attended` / `read_picked`)
     picks      [B, S, K]     CSA: entry indices to attend, -1 = nothing
     visible    [B, S]        HCA: entries ``w < visible`` are all attended
     returns    `AttentionOutput`: o [B, S, H, D] and, if `with_mass`, the share of each
@@ -171,6 +198,9 @@ def sparse_attention(
     """
     if output_groups < 1 or q.shape[2] % output_groups:
         raise ValueError(f"output_groups: expected a divisor of the {q.shape[2]} heads, got {output_groups}")
+    if isinstance(entries, PagedRows) and not hasattr(entries.pool, "reshape"):
+        raise TypeError(f"entries: expected paged entries in a pool of arrays (an FP8 pool dequantized "
+                        f"first: quantized.read_attended), got a pool of {type(entries.pool).__name__}")
     if window_in_place and (q.shape[1] != 1 or window_idx.shape[-1] != pool.shape[1]):
         raise ValueError(f"window_in_place: expected one query per row and a pool of the window's "
                          f"{window_idx.shape[-1]} slots, got q {q.shape} and pool {pool.shape}")
@@ -256,6 +286,18 @@ def _by_kernel(reference, blocks: dict, interpret: bool, kernels: KernelPlan, ro
             return reference_vjp(composed, args, do)
 
         def kernel_grads(q, pool, window_idx, sinks, entries, picks, visible, positions, o, lse, do):
+            if not isinstance(entries, PagedRows):
+                return contiguous_grads(q, pool, window_idx, sinks, entries, picks, visible, positions, o, lse, do)
+            # The backward kernels take contiguous entries (the range kernels HCA's visible prefix
+            # as a range, CSA's handler [B, T, D]): the rows gathered for them, their gradient
+            # scattered back to the pool by the gather's transpose.
+            rows, pull = jax.vjp(lambda p: contiguous_entries(entries.replace(pool=p), picks)[0], entries.pool)
+            dq, dpool, dsinks, drows = contiguous_grads(q, pool, window_idx, sinks, rows,
+                                                        contiguous_entries(entries, picks)[1], visible, positions,
+                                                        o, lse, do)
+            return dq, dpool, dsinks, entries.replace(pool=pull(drows)[0], table=None)
+
+        def contiguous_grads(q, pool, window_idx, sinks, entries, picks, visible, positions, o, lse, do):
             b, s, h = q.shape[:3]
             # [G, R, H/G, D]: as the grouped output projection's gradient writes it, so that this
             # transpose and XLA's to [B, S, H, D] cancel.
@@ -293,6 +335,14 @@ def _by_kernel(reference, blocks: dict, interpret: bool, kernels: KernelPlan, ro
 def _xla_path(q, pool, window_idx, sinks, *, entries, picks, visible, block, precision,
               with_mass, window_in_place=False) -> AttentionOutput:
     """`sparse_attention` by XLA: the keys gathered into arrays, logits, softmax, sums."""
+    if isinstance(entries, PagedRows) and picks is not None:
+        # CSA on pages: each query's picks gathered from the pool [1, P*E, D] (shared by the rows:
+        # the gather below broadcasts it) at their pool rows, one gather as from a contiguous cache.
+        b, s, k = picks.shape
+        entries, rows = sparse_attention_kernel.paged_source(entries, picks.reshape(b * s, k), b)
+        picks = rows.reshape(b, s, k)
+    else:  # HCA on pages: every slot (`PagedRows.view`)
+        entries, picks = contiguous_entries(entries, picks)
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5
     selection = picks if picks is not None else visible
