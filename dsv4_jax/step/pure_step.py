@@ -55,7 +55,7 @@ from dsv4_jax.ops.indexer.reference import IndexerWeights, head_weights, index_q
 from dsv4_jax.ops.norms import rms_norm
 from dsv4_jax.ops.projection.pallas import projection
 from dsv4_jax.ops.query_norm.pallas import query_norm
-from dsv4_jax.ops.rope import LayerRotations, apply_rope, layer_rotations
+from dsv4_jax.ops.rope import LayerRotations, layer_rotations, rotate_by, rotation_tables
 from dsv4_jax.ops.sparse_attention.reference import OutputRotation, key_pool, sparse_attention
 from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step import overlap as overlap_mod
@@ -255,9 +255,11 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     freqs, scale = rope
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
+    # The call's rotation, once: cos and sin [B, S, rd/2] at its positions, for its keys and queries.
+    turn = rotation_tables(positions, freqs, scale, q.dtype)
+    kv = rotate_by(kv, turn)
     # The per-head norm and RoPE: one kernel each way where the plan says (`head_norm_kernel`).
-    q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm_for(q), rotation=(positions, freqs, scale))
-    kv = apply_rope(kv, positions, freqs, scale=scale)
+    q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm_for(q), rotation=turn)
     if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert
         kv = round_kv(kv)
     return q, kv, insert_ring(window, kv, length, frozen, count)
