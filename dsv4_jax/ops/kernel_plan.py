@@ -25,7 +25,7 @@ stage                  kernel                                 reference
                        Triton kernel
                        (`sparse_attention_backward`)
 ``query_norm``         the queries' per-head RMSNorm and      `norms.head_rms_norm`, then
-                       RoPE as two Pallas kernels, forward    `rope.apply_rope` (and XLA's
+                       RoPE as two Pallas kernels, forward    `rope.rotate_by` (and XLA's
                        and backward (`head_norm_kernel`)      gradients)
 ``projections``        the input and output projections of    XLA's GEMM (`backend.einsum`)
                        a few token rows as a Pallas kernel

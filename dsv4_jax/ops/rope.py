@@ -86,6 +86,16 @@ def layer_rotations(cfg: DeepseekV4Config, kind: str) -> LayerRotations:
     return LayerRotations(rotation_of(cfg, kind), rotation_of(cfg, "compress"))
 
 
+class RotationTables(NamedTuple):
+    """cos and sin of a rotation at given positions (`rotation_tables`): float32 [..., rd/2] each,
+    values rounded to the rotated vectors' dtype (times the cos/sin scale), sin negated for an
+    inverse rotation. A step computes its queries' and keys' once (`rotation_tables`) and hands
+    them to what turns them (`rotate_by`, the queries' norm kernels)."""
+
+    cos: Array
+    sin: Array
+
+
 def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = False, scale: float = 1.0,
                in_place: bool = False) -> Array:
     """Rotate the trailing ``2 * len(freqs)`` channels of `x` by ``positions * freqs``.
@@ -99,11 +109,20 @@ def apply_rope(x: Array, positions: Array, freqs: Array, *, inverse: bool = Fals
                queries and attention output. Same values either way.
 
     The angle is float32(position) * float32(freq); cos/sin are rounded to `x.dtype` (HF
-    builds its tables in the activation dtype) and the rotation itself runs in float32.
+    builds its tables in the activation dtype) and the rotation itself runs in float32
+    (`rotation_tables`, then `rotate_by`).
     """
     xp = namespace(x, positions, freqs)
-    half = freqs.shape[-1]
-    cos, sin = rotation_tables(positions, freqs, scale, x.dtype, inverse=inverse, xp=xp)
+    return rotate_by(x, rotation_tables(positions, freqs, scale, x.dtype, inverse=inverse, xp=xp), in_place=in_place)
+
+
+def rotate_by(x: Array, tables: RotationTables, *, in_place: bool = False) -> Array:
+    """`x` [..., D] with its trailing ``2 * half`` channels turned by `tables` (cos, sin
+    float32 [..., half], broadcastable to x's [..., half] pairs): the pairs ``(2i, 2i+1)`` in
+    float32, rounded back to x's dtype. `in_place`: as `apply_rope`'s."""
+    cos, sin = tables
+    xp = namespace(x, cos, sin)
+    half = cos.shape[-1]
     nope, rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
     pairs = rot.astype(np.float32).reshape(*rot.shape[:-1], half, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -121,7 +140,8 @@ def derotate_output(o: Array, positions: Array, freqs: Array, scale: float = 1.0
     return apply_rope(o, positions[..., None], freqs, inverse=True, scale=scale, in_place=True)
 
 
-def rotation_tables(positions: Array, freqs: Array, scale: float, dtype, *, inverse: bool = False, xp=None):
+def rotation_tables(positions: Array, freqs: Array, scale: float, dtype, *, inverse: bool = False,
+                    xp=None) -> RotationTables:
     """cos and sin of ``positions * freqs`` as `apply_rope` uses them: float32 [..., rd/2] of
     values rounded to `dtype` (times `scale`), sin negated for the inverse rotation. `xp`: the
     array namespace to compute them in (default: jax.numpy for JAX arguments, else NumPy)."""
@@ -130,34 +150,43 @@ def rotation_tables(positions: Array, freqs: Array, scale: float, dtype, *, inve
     angle = positions.astype(np.float32)[..., None] * freqs  # [..., rd/2]
     cos = (xp.cos(angle) * scale).astype(dtype).astype(np.float32)
     sin = (xp.sin(angle) * scale).astype(dtype).astype(np.float32)
-    return cos, (-sin if inverse else sin)
+    return RotationTables(cos, -sin if inverse else sin)
 
 
 def rotate_in_place(x: Array, positions: Array, freqs: np.ndarray, *, inverse: bool = False,
                     scale: float = 1.0) -> Array:
-    """`apply_rope(x, positions, freqs, inverse=inverse, scale=scale, in_place=True)` (JAX arrays)
-    whose gradient rotates the cotangent's trailing channels back in the cotangent's own buffer.
+    """`apply_rope(x, positions, freqs, inverse=inverse, scale=scale, in_place=True)` whose
+    gradient rotates the cotangent's trailing channels back in the cotangent's own buffer
+    (`rotate_by_in_place` of the rotation's tables)."""
+    xp = namespace(x, positions, freqs)
+    return rotate_by_in_place(x, rotation_tables(positions, freqs, scale, x.dtype, inverse=inverse, xp=xp))
+
+
+def rotate_by_in_place(x: Array, tables: RotationTables) -> Array:
+    """`rotate_by(x, tables, in_place=True)` (JAX arrays) whose gradient rotates the cotangent's
+    trailing channels back in the cotangent's own buffer.
 
     XLA's transposition of the in-place update adds the rotated channels' cotangent, padded to
     [..., D], to the cotangent with those channels zeroed: a pass over every query (on the H200
     0.17 ms a layer of an HCA 4k training step). The rotation is linear, so its transpose is
-    the rotation by the opposite angle with the same cos/sin (the same values as XLA's).
-    Reverse mode only (a `jax.custom_vjp`): the step uses it where the queries' norm is a
-    kernel, which is reverse mode only already (`KernelPlan.query_norm`). NumPy arrays (the
-    wide break's host stages) are rotated by `apply_rope`.
+    the rotation by the opposite angle with the same cos/sin (sin negated: the same values as
+    XLA's). Reverse mode only (a `jax.custom_vjp`): the step uses it where the queries' norm is
+    a kernel, which is reverse mode only already (`KernelPlan.query_norm`). NumPy arrays (the
+    wide break's host stages) are rotated by `rotate_by`.
     """
-    if namespace(x, positions) is np:
-        return apply_rope(x, positions, freqs, inverse=inverse, scale=scale, in_place=True)
+    if namespace(x, *tables) is np:
+        return rotate_by(x, tables, in_place=True)
 
     @jax.custom_vjp
-    def rotate(x, positions):
-        return apply_rope(x, positions, freqs, inverse=inverse, scale=scale, in_place=True)
+    def rotate(x, tables):
+        return rotate_by(x, tables, in_place=True)
 
-    def forward(x, positions):
-        return rotate(x, positions), positions
+    def forward(x, tables):
+        return rotate(x, tables), tables
 
-    def backward(positions, g):
-        return apply_rope(g, positions, freqs, inverse=not inverse, scale=scale, in_place=True), None
+    def backward(tables, g):
+        cos, sin = tables
+        return rotate_by(g, RotationTables(cos, -sin), in_place=True), None
 
     rotate.defvjp(forward, backward)
-    return rotate(x, positions)
+    return rotate(x, RotationTables(*tables))

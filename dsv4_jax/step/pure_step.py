@@ -4,7 +4,7 @@ one registry of its compiled versions (on one device and on a mesh).
 One call runs the stages of vLLM's `attention_impl`, in order (names as in vLLM):
 
 1. input GEMMs: ``wq_a`` + q_norm -> q_residual; ``wkv`` + kv_norm; the compressors'
-   kv/gate projections; the indexer's head weights           (always in-graph)
+   kv/gate projections; the indexer's weights_proj            (always in-graph)
 2. ``wq_b_kv_insert``: ``wq_b``, per-head q norm, RoPE on q and kv, window-cache insert
 3. ``compressor``: gated pooling of completed windows into compressed entries (CSA/HCA)
 4. ``indexer``: its own key compressor, queries, scores, top-k (CSA)
@@ -55,7 +55,7 @@ from dsv4_jax.ops.indexer.reference import IndexerWeights, head_weights, index_q
 from dsv4_jax.ops.norms import rms_norm
 from dsv4_jax.ops.projection.pallas import projection
 from dsv4_jax.ops.query_norm.pallas import query_norm
-from dsv4_jax.ops.rope import LayerRotations, apply_rope, layer_rotations
+from dsv4_jax.ops.rope import LayerRotations, layer_rotations, rotate_by, rotation_tables
 from dsv4_jax.ops.sparse_attention.reference import OutputRotation, key_pool, sparse_attention
 from dsv4_jax.step import breaks, finite_flag, sharding
 from dsv4_jax.step import overlap as overlap_mod
@@ -132,7 +132,7 @@ class StageInputs:
     compressor_gate: Array | None = None
     indexer_kv: Array | None = None  # [B, S, 2c]
     indexer_gate: Array | None = None
-    indexer_weights: Array | None = None  # [B, S, nI] float32
+    indexer_head_proj: Array | None = None  # [B, S, nI] x weights_proj (its scale: `head_weights`)
 
 
 @struct.dataclass
@@ -255,9 +255,11 @@ def wq_b_kv_insert(q_residual, kv, window, positions, length, q_b_proj, spec: St
     freqs, scale = rope
     q = einsum("bsl,lk->bsk", q_residual, q_b_proj, out_dtype=dtype, precision=spec.precision)
     q = q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.head_dim)
+    # The call's rotation, once: cos and sin [B, S, rd/2] at its positions, for its keys and queries.
+    turn = rotation_tables(positions, freqs, scale, q.dtype)
+    kv = rotate_by(kv, turn)
     # The per-head norm and RoPE: one kernel each way where the plan says (`head_norm_kernel`).
-    q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm_for(q), rotation=(positions, freqs, scale))
-    kv = apply_rope(kv, positions, freqs, scale=scale)
+    q = query_norm(q, cfg.rms_norm_eps, spec.plan.kernels.query_norm_for(q), rotation=turn)
     if round_kv is not None:  # FP8 grid on the non-RoPE channels, before the window insert
         kv = round_kv(kv)
     return q, kv, insert_ring(window, kv, length, frozen, count)
@@ -321,6 +323,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
         # with the overlap off too, so that both settings run the same products, bit for bit.
         q_in = jax.lax.optimization_barrier(jax.lax.stop_gradient(q_in))
     with jax.named_scope("indexer_queries"):
+        head_weight = head_weights(inputs.indexer_head_proj, cfg.index_n_heads)  # [B, S, nI] float32
         queries = index_queries(q_in, iw.q_b_proj, positions, compress_freqs,
                                 n_heads=cfg.index_n_heads, rope_scale=compress_scale, dtype=spec.dtype,
                                 precision=spec.precision)
@@ -330,7 +333,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
     with jax.named_scope("indexer_select"):
         # The keys as the cache stores them (FP8, paged): the native selection reads them there
         # itself, the other selections through `quantized.read` (`indexer_native.select_native`).
-        selected = select(queries, inputs.indexer_weights, index_state.entries, visible,
+        selected = select(queries, head_weight, index_state.entries, visible,
                           top_k=cfg.index_topk, with_scores=spec.return_intermediates, block=spec.query_block)
     return out.replace(indexer=index_state, picks=selected.picks, index_scores=selected.scores)
 
@@ -338,7 +341,7 @@ def run_stages(inputs: StageInputs, cache: AttentionCache, positions, weights: A
 def input_projections(x: Array, weights: AttentionWeights, cfg: DeepseekV4Config, dtype, prec,
                       kernel: str = "xla") -> StageInputs:
     """Stage 1: x [B, S, hidden] -> `StageInputs` (q_residual, kv; the compressors' kv and gate
-    and the indexer's head weights where the layer has them).
+    and the indexer's weights_proj product where the layer has them).
 
     One GEMM over `weights.input_proj` where it is set (then split by the projections'
     widths), else one GEMM per projection: the same products. `kernel`: the plan's
@@ -357,8 +360,7 @@ def input_projections(x: Array, weights: AttentionWeights, cfg: DeepseekV4Config
     if weights.compressor is not None:
         inputs = inputs.replace(compressor_kv=outs[2], compressor_gate=outs[3])
     if weights.indexer is not None:
-        inputs = inputs.replace(indexer_kv=outs[4], indexer_gate=outs[5],
-                                indexer_weights=head_weights(outs[6], cfg.index_n_heads))
+        inputs = inputs.replace(indexer_kv=outs[4], indexer_gate=outs[5], indexer_head_proj=outs[6])
     return inputs
 
 

@@ -24,7 +24,7 @@ from dsv4_jax.ops.query_norm.pallas import (
     query_norm,
     supports,
 )
-from dsv4_jax.ops.rope import apply_rope, attention_factor, inv_freq, rotate_in_place
+from dsv4_jax.ops.rope import RotationTables, apply_rope, attention_factor, inv_freq, rotate_in_place, rotation_tables
 
 ON_GPU = jax.default_backend() == "gpu"
 EPS = 1e-6
@@ -56,13 +56,19 @@ def test_the_kernels_norm_and_differentiate_as_the_reference(dtype, shape):
     assert_matches_reference(x, g, interpret=True)
 
 
-def rotation_of(cfg, positions):
+def rope_of(cfg, positions):
+    """(positions, freqs, scale) of the compress rope at `positions` [B, S]."""
     return positions, inv_freq(cfg, "compress"), attention_factor(cfg, "compress")
 
 
-def norm_then_rope(x, rotation, interpret):
+def rotation_of(cfg, positions, dtype=jnp.float32):
+    """The queries' `RotationTables` at `positions` [B, S], as the step hands them to the norm."""
+    return rotation_tables(*rope_of(cfg, positions), dtype)
+
+
+def norm_then_rope(x, rope, interpret):
     """What the step ran before the fused kernel: the norm kernel, then the in-place RoPE."""
-    positions, freqs, scale = rotation
+    positions, freqs, scale = rope
     return rotate_in_place(head_rms_norm_kernel(x, EPS, interpret), positions[..., None], freqs, scale=scale)
 
 
@@ -79,10 +85,11 @@ def test_the_norm_with_rope_equals_the_norm_then_rope(dtype, shape):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=shape) * 3, dtype)
     g = jnp.asarray(rng.normal(size=shape), dtype)
-    rotation = rotation_of(cfg, jnp.asarray(rng.integers(0, 3000, size=shape[:2]), jnp.int32))
+    rope = rope_of(cfg, jnp.asarray(rng.integers(0, 3000, size=shape[:2]), jnp.int32))
+    rotation = rotation_tables(*rope, dtype)
     fused = jax.jit(lambda v: query_norm(v, EPS, "interpret", rotation))
     got = forward_and_gradient(fused, x, g)
-    before = forward_and_gradient(jax.jit(lambda v: norm_then_rope(v, rotation, True)), x, g)
+    before = forward_and_gradient(jax.jit(lambda v: norm_then_rope(v, rope, True)), x, g)
     xla = forward_and_gradient(jax.jit(lambda v: query_norm(v, EPS, "xla", rotation)), x, g)
     for name, a, b, c in zip(("y", "dx"), got, before, xla):
         if dtype == jnp.bfloat16 and not ON_GPU:  # (XLA:GPU may skip an interpreted kernel's roundings)
@@ -99,9 +106,9 @@ def test_the_norm_with_rope_at_the_cache_positions_of_a_ragged_call():
     cfg = DeepseekV4Config.tiny()
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 4, 32)), jnp.float32)
     positions = jnp.asarray([[5, 6, 7], [0, -1, -1]], jnp.int32)
-    rotation = rotation_of(cfg, positions)
-    got = query_norm(x, EPS, "interpret", rotation)
-    want = apply_rope(head_rms_norm(x, EPS), positions[..., None], *rotation[1:2], scale=rotation[2])
+    _, freqs, scale = rope_of(cfg, positions)
+    got = query_norm(x, EPS, "interpret", rotation_of(cfg, positions))
+    want = apply_rope(head_rms_norm(x, EPS), positions[..., None], freqs, scale=scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
@@ -109,8 +116,9 @@ def test_column_pieces_are_powers_of_two_covering_the_row():
     assert _pieces(448) == [(0, 256), (256, 128), (384, 64)]
     assert _pieces(512) == [(0, 512)] and _pieces(24) == [(0, 16), (16, 8)] and _pieces(0) == []
     q = jnp.zeros((1, 1, 64, 512))
-    assert supports(q, None) and supports(q, (None, np.zeros(32), 1.0))
-    assert not supports(q, (None, np.zeros(24), 1.0)) and not supports(jnp.zeros((1, 1, 4, 48)), None)
+    assert supports(q, None) and supports(q, RotationTables(np.zeros((1, 1, 32)), np.zeros((1, 1, 32))))
+    assert not supports(q, RotationTables(np.zeros((1, 1, 24)), np.zeros((1, 1, 24))))
+    assert not supports(jnp.zeros((1, 1, 4, 48)), None)
 
 
 def test_query_norm_runs_the_kernel_as_the_plan_says():
@@ -143,11 +151,11 @@ def test_the_kernels_lower_to_triton_kernels_for_cuda():
     rounding: what interpret mode cannot check)."""
     x = jax.ShapeDtypeStruct((1, 1024, 64, 512), jnp.bfloat16)
 
-    rotation = rotation_of(DeepseekV4Config.flash(), jnp.arange(1024, dtype=jnp.int32)[None])
+    rotation = rotation_of(DeepseekV4Config.flash(), jnp.arange(1024, dtype=jnp.int32)[None], jnp.bfloat16)
 
     def forward_and_backward(v, g):
         y, pull = jax.vjp(lambda a: head_rms_norm_kernel(a, EPS, False), v)
-        z, pull_rope = jax.vjp(lambda a: head_rms_norm_rope_kernel(a, *rotation, EPS, False), v)
+        z, pull_rope = jax.vjp(lambda a: head_rms_norm_rope_kernel(a, rotation, EPS, False), v)
         return y, pull(g)[0], z, pull_rope(g)[0]
 
     try:
@@ -170,9 +178,9 @@ def test_gpu_kernels_at_flash_sizes(dtype):
     x = jnp.asarray(rng.normal(size=shape) * 3, dtype)
     g = jnp.asarray(rng.normal(size=shape), dtype)
     assert_matches_reference(x, g, interpret=False)
-    rotation = rotation_of(cfg, jnp.asarray(rng.integers(0, 16384, size=shape[:2]), jnp.int32))
-    got = forward_and_gradient(jax.jit(lambda v: query_norm(v, EPS, "pallas", rotation)), x, g)
-    want = forward_and_gradient(jax.jit(lambda v: norm_then_rope(v, rotation, False)), x, g)
+    rope = rope_of(cfg, jnp.asarray(rng.integers(0, 16384, size=shape[:2]), jnp.int32))
+    got = forward_and_gradient(jax.jit(lambda v: query_norm(v, EPS, "pallas", rotation_tables(*rope, dtype))), x, g)
+    want = forward_and_gradient(jax.jit(lambda v: norm_then_rope(v, rope, False)), x, g)
     for name, a, b in zip(("y", "dx"), got, want):
         diff = np.abs(a - b) / np.abs(b).max()
         print(f"query norm + rope {x.dtype} {name}: max |fused - norm then rope| {diff.max():.3g}, "

@@ -118,11 +118,11 @@ def compress(
     ring = insert_ring(state.buffer, projected, length, frozen, count)
     # With a rewind history, the tokens this write evicts (read from the ring before it).
     history = keep_evicted(state.history, state.buffer, projected, length, frozen, count)
-    if seq == 1:
-        pooled = _pool_one_token(ring, first_entry, completed > 0, position_bias, m, overlap, dtype, kernel)
-    else:
+    if seq > 1:
         windows, before = _streamed(state.buffer, projected, buffered, first_entry, n_new, m)
         pooled = _pool(windows[:, :n_pooled], before, first_entry, position_bias, overlap, dtype)
+    else:
+        pooled = _pool_one_token(ring, first_entry, completed > 0, position_bias, m, overlap, dtype, kernel)
     pooled = rms_norm(pooled, kv_norm, eps)
     entry_pos = (first_entry[:, None] + xp.arange(n_pooled, dtype=np.int32)[None, :]) * m  # [B, P]
     pooled = apply_rope(pooled, entry_pos, freqs, scale=rope_scale)

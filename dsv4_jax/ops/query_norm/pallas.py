@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 
 from dsv4_jax.backend import Array, namespace
 from dsv4_jax.ops.norms import head_rms_norm
-from dsv4_jax.ops.rope import apply_rope, rotate_in_place, rotation_tables
+from dsv4_jax.ops.rope import RotationTables, rotate_by, rotate_by_in_place
 
 BLOCK_ROWS = 16
 NUM_WARPS = 4
@@ -126,11 +126,6 @@ def _rows(x: Array, rotated: bool) -> int:
     return rows
 
 
-def _tables(positions: Array, freqs: np.ndarray, scale: float, dtype) -> Array:
-    """float32 [B * S, 2, half]: each token's cos and sin as `apply_rope` computes them."""
-    return jnp.stack(rotation_tables(positions.reshape(-1), freqs, scale, dtype), axis=1)
-
-
 def _call(kernel, name: str, *arrays, table=None, interpret: bool):
     """`kernel` over blocks of rows of `arrays` ([..., H, D] each, flattened to [R, D]) and the
     rotation's `table` (one [2, half] block a program, its rows' token's)."""
@@ -173,17 +168,16 @@ def _vjp_backward(eps, interpret, x, g):
 head_rms_norm_kernel.defvjp(_vjp_forward, _vjp_backward)
 
 
-def head_rms_norm_rope_kernel(x: Array, positions: Array, freqs: np.ndarray, scale: float, eps: float,
-                              interpret: bool = False) -> Array:
-    """`head_rms_norm(x, eps)`, then `apply_rope(..., positions[..., None], freqs, scale=scale)`,
-    as one kernel, differentiated (reverse mode, with respect to x) by one kernel too.
+def head_rms_norm_rope_kernel(x: Array, rotation: RotationTables, eps: float, interpret: bool = False) -> Array:
+    """`head_rms_norm(x, eps)`, then `rotate_by` the `rotation`, as one kernel, differentiated
+    (reverse mode, with respect to x) by one kernel too.
 
-    x [B, S, H, D], positions int [B, S], freqs float32 [half] (NumPy), scale: the cos/sin scale.
-    The normed queries are rounded to x's dtype before the rotation and the rotated channels
-    after it, as on the XLA path; the gradient rotates the cotangent's channels back (rounded),
-    then differentiates the norm."""
-    table = _tables(positions, freqs, scale, x.dtype)
-    half = int(np.shape(freqs)[-1])
+    x [B, S, H, D], rotation: each token's cos and sin, float32 [B, S, half] each
+    (`rope.rotation_tables`). The normed queries are rounded to x's dtype before the rotation and
+    the rotated channels after it, as on the XLA path; the gradient rotates the cotangent's
+    channels back (rounded), then differentiates the norm."""
+    half = int(np.shape(rotation.cos)[-1])
+    table = jnp.stack([jnp.reshape(t, (-1, half)) for t in rotation], axis=1)  # [B * S, 2, half]
 
     @jax.custom_vjp
     def norm_rope(x, table):
@@ -203,57 +197,60 @@ def head_rms_norm_rope_kernel(x: Array, positions: Array, freqs: np.ndarray, sca
     return norm_rope(x, jax.lax.stop_gradient(table))
 
 
-def query_norm(q: Array, eps: float, choice: str = "xla", rotation: tuple | None = None) -> Array:
+def query_norm(q: Array, eps: float, choice: str = "xla", rotation: RotationTables | None = None) -> Array:
     """The queries' per-head RMSNorm, then (with `rotation`) their RoPE: q [B, S, H, D] ->
     [B, S, H, D], by `choice` (the step plan's, `KernelPlan.query_norm_for`): "xla"
-    `head_rms_norm` (and `apply_rope`); "interpret" the kernels in interpret mode; "pallas" the
-    kernels where a GPU is the default backend (and where the program is lowered for CUDA:
+    `head_rms_norm` (and `rope.rotate_by`); "interpret" the kernels in interpret mode; "pallas"
+    the kernels where a GPU is the default backend (and where the program is lowered for CUDA:
     another platform's program keeps XLA's). NumPy arrays, and widths the Triton kernels cannot
     take (`supports`): XLA's.
 
-    rotation: None, or (positions [B, S] int, freqs float32 [half] (NumPy), scale): RoPE of the
-    trailing 2 * half channels at each token's position, fused into the norm's kernels (one pass
-    over the queries each way, where XLA's in-place rotation reads and writes the rotated
-    channels once more in a slice and an update, each way)."""
+    rotation: None, or each token's cos and sin, float32 [B, S, half] each (`rope.rotation_tables`
+    at the queries' positions, in q's dtype): RoPE of the trailing 2 * half channels, fused into
+    the norm's kernels (one pass over the queries each way, where XLA's in-place rotation reads
+    and writes the rotated channels once more in a slice and an update, each way)."""
     interpret = choice == "interpret"
+
+    def kernel(x):
+        if rotation is None:
+            return head_rms_norm_kernel(x, float(eps), interpret)
+        return head_rms_norm_rope_kernel(x, rotation, float(eps), interpret)
+
+    def reference(x):
+        return _reference(x, eps, rotation, in_place=choice == "xla")
+
     # Pallas lowers Triton kernels only where a GPU is the default backend.
     kernels = interpret or (choice == "pallas" and supports(q, rotation) and jax.default_backend() == "gpu")
-    if kernels and namespace(q) is not np:
-        if rotation is None:
-            kernel = lambda x: head_rms_norm_kernel(x, float(eps), interpret)  # noqa: E731
-        else:
-            positions, freqs, scale = rotation
-            kernel = lambda x: head_rms_norm_rope_kernel(x, positions, freqs, scale, float(eps), interpret)  # noqa: E731
-        if interpret:
-            return kernel(q)
-        return jax.lax.platform_dependent(q, cuda=kernel,
-                                          default=lambda x: _reference(x, eps, rotation, in_place=False))
-    return _reference(q, eps, rotation, in_place=choice == "xla")
+    if not kernels or namespace(q) is np:
+        return reference(q)
+    if interpret:
+        return kernel(q)
+    return jax.lax.platform_dependent(q, cuda=kernel, default=reference)
 
 
-def supports(q: Array, rotation: tuple | None) -> bool:
+def supports(q: Array, rotation: RotationTables | None) -> bool:
     """Whether the Triton kernels take q [..., D]: D and the rotated channels' half powers of two
     (Triton's blocks), D at least 16."""
     d = q.shape[-1]
-    half = 0 if rotation is None else int(np.shape(rotation[1])[-1])
+    half = 0 if rotation is None else int(np.shape(rotation.cos)[-1])
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return d >= 16 and pow2(d) and (half == 0 or (pow2(half) and 2 * half <= d))
 
 
-def _reference(q: Array, eps: float, rotation: tuple | None, in_place: bool) -> Array:
-    """XLA's twin: `head_rms_norm`, then `apply_rope`. One query a row (decode) is rotated into a
-    new array: compiled for the H200, XLA fuses that rotation with its concatenation, one kernel
+def _reference(q: Array, eps: float, rotation: RotationTables | None, in_place: bool) -> Array:
+    """XLA's twin: `head_rms_norm`, then `rope.rotate_by`. One query a row (decode) is rotated into
+    a new array: compiled for the H200, XLA fuses that rotation with its concatenation, one kernel
     after the norm where the in-place update took three (on an H100 0.3-0.8% faster a layer at
     B = 8 and 32; docs/breaks_and_kernels.md, "Why the kernels' defaults"). Several
-    are rotated in place (`backend.update_trailing`), by `rotate_in_place` where the plan names a
-    kernel (reverse mode only already: its gradient rotates the cotangent in its own buffer), by
-    `apply_rope` for "xla" (forward-mode AD possible)."""
+    are rotated in place (`backend.update_trailing`), by `rotate_by_in_place` where the plan names
+    a kernel (reverse mode only already: its gradient rotates the cotangent in its own buffer), by
+    `rotate_by` for "xla" (forward-mode AD possible)."""
     q = head_rms_norm(q, eps)
     if rotation is None:
         return q
-    positions, freqs, scale = rotation
+    heads = RotationTables(*(t[..., None, :] for t in rotation))  # [B, S, 1, half]: every head alike
     if q.shape[1] == 1 or namespace(q) is np:
-        return apply_rope(q, positions[..., None], freqs, scale=scale)
+        return rotate_by(q, heads)
     if in_place:
-        return apply_rope(q, positions[..., None], freqs, scale=scale, in_place=True)
-    return rotate_in_place(q, positions[..., None], freqs, scale=scale)
+        return rotate_by(q, heads, in_place=True)
+    return rotate_by_in_place(q, heads)

@@ -213,10 +213,8 @@ def sparse_attention(
         chosen = kernels.attention_for(q, entries, picks, window_idx.shape[-1])
         if chosen is not None:
             static = None if rotation is None else (rotation.freqs, float(rotation.scale))
-            kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
-            merge = kernels.merge_for(kind, q.shape[0] * q.shape[1])
             attend = _by_kernel(reference, *chosen, kernels=kernels, rotation=static, output_groups=output_groups,
-                                window_contiguous=window_contiguous, merge=merge)
+                                window_contiguous=window_contiguous)
             positions = None if rotation is None else rotation.positions
             return AttentionOutput(attend(q, pool, window_idx, sinks, entries, picks, visible, positions))
     out = xla(q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible)
@@ -226,7 +224,7 @@ def sparse_attention(
 
 
 def _by_kernel(reference, blocks: dict, interpret: bool, kernels: KernelPlan, rotation: tuple | None = None,
-               output_groups: int = 1, window_contiguous: bool = False, merge: str = "xla"):
+               output_groups: int = 1, window_contiguous: bool = False):
     """``f(q, pool, window_idx, sinks, entries, picks, visible, positions) -> o`` by the kernel,
     with a gradient: a backward kernel or `reference`'s VJP, as the plan's ``attention_backward``
     names for the call (`KernelPlan.backward_for`). Not in interpret mode: the kernels
@@ -238,9 +236,10 @@ def _by_kernel(reference, blocks: dict, interpret: bool, kernels: KernelPlan, ro
     rotated channels' share of its `delta` (do' . o', computed here from their slices).
     `output_groups`: G, the cotangent goes to the backward kernel as [G, B*S, H/G, D]
     (`sparse_attention`). `window_contiguous`: the caller's promise that each window is a range
-    (the range kernels, ``attention_backward="wgmma"``, may then take it). `merge`: how the
-    kernel's key splits are merged with the sink and de-rotated where it splits them ("xla",
-    "pallas", "interpret": `split_merge_kernel`, `KernelPlan.merge_for`)."""
+    (the range kernels, ``attention_backward="wgmma"``, may then take it). What else the plan
+    decides for the call is asked here, where it is used: how the kernel's key splits are merged
+    with the sink and de-rotated where it splits them (`KernelPlan.merge_for`: "xla", "pallas",
+    "interpret", `split_merge_kernel`) and the gradient (`KernelPlan.backward_for`)."""
 
     def on_platform(kernel, default):
         if interpret:
@@ -256,12 +255,16 @@ def _by_kernel(reference, blocks: dict, interpret: bool, kernels: KernelPlan, ro
     def forward(q, pool, window_idx, sinks, entries, picks, visible, positions, with_lse=False):
         return sparse_attention_kernel.sparse_attention_kernel(
             q, pool, window_idx, sinks, entries=entries, picks=picks, visible=visible, interpret=interpret,
-            with_lse=with_lse, rotation=None if rotation is None else (positions, *rotation), merge=merge,
-            **blocks)
+            with_lse=with_lse, rotation=None if rotation is None else (positions, *rotation),
+            merge=merge(q, entries, picks), **blocks)
 
     attend = on_platform(forward, composed)
     bwd_blocks = dict(block_keys=sparse_attention_backward.BLOCK_KEYS,
                       block_heads=sparse_attention_backward.BLOCK_HEADS)
+
+    def merge(q, entries, picks):
+        kind = "csa" if picks is not None else "hca" if entries is not None else "sliding"
+        return kernels.merge_for(kind, q.shape[0] * q.shape[1])
 
     def backward(q, entries, picks):
         return kernels.backward_for(q, entries, picks, interpret=interpret, window_contiguous=window_contiguous)
