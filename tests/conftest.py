@@ -15,7 +15,22 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
 ):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# The same small programs are compiled again and again: by the next test file (each file drops
+# its compiled programs, below), by the other xdist worker, and by the subprocesses (notebooks,
+# docs, benchmarks, 8 fake devices). One persistent compilation cache for the run, made fresh by
+# the first process (the workers and subprocesses inherit it through the environment), compiles
+# each once: about a seventh of the suite's CPU time. Programs with host callbacks are never
+# cached (JAX's rule). DSV4_TEST_COMPILE_CACHE=0 turns it off.
+_OWN_CACHE = None
+if os.environ.get("DSV4_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE = tempfile.mkdtemp(prefix="dsv4_test_compile_cache_")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_OWN_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
 import gc
+import shutil
 
 import jax
 import pytest
@@ -43,6 +58,11 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     JOBS.stop()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -122,7 +122,7 @@ def test_a_paged_cache_agrees_in_every_break_mode_and_for_ragged_rows():
     assert got[-1][2].pages.capacity().tolist() == [48, 32] and got[-1][2].length.tolist() == [33, 29]
 
 
-def _scattered(cache):
+def _taken_out_of_order(cache):
     """`cache` with row 1 taking its first pages before row 0 takes any, then both growing: row 0
     holds pool pages [2, 3, 4], row 1 [0, 1, 5] (a row's pages out of order in the pool)."""
     cache = dsv4_jax.reserve_pages(cache, np.array([0, 32]))
@@ -155,7 +155,7 @@ def test_the_selections_read_the_pages_and_pick_as_the_contiguous_cache(mode, ke
     x = _inputs()
     schedule = (30, 1)
     want = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype=cache_dtype), x, schedule, ragged=True)
-    cache = _scattered(attn.init_cache(2, MAX_SEQ, kv_cache_dtype=cache_dtype, page_size=PAGE, num_pages=8))
+    cache = _taken_out_of_order(attn.init_cache(2, MAX_SEQ, kv_cache_dtype=cache_dtype, page_size=PAGE, num_pages=8))
     got = _calls(attn, cache, x, schedule, ragged=True)
     _assert_same_runs(got, want, f"{mode} {cache_dtype}")
 
