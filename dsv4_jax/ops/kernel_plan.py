@@ -143,8 +143,8 @@ class KernelPlan:
                        (its stored-form reading, gated on the H200, made a CSA 64k prefill 1.5x
                        slower; docs/breaks_and_kernels.md, "Why the kernels' defaults").
                        "fp8": the stored form, and where the Pallas kernel scores it (on CUDA for
-                       the operands `indexer_kernel_fp8.supports`) with e4m3 x e4m3 dots on the
-                       FP8 tensor cores (`indexer_kernel_fp8`: exact for queries on the FP4 grid,
+                       the operands `ops.indexer.pallas_fp8.supports`) with e4m3 x e4m3 dots on the
+                       FP8 tensor cores (`ops.indexer.pallas_fp8`: exact for queries on the FP4 grid,
                        numerics="official"; other query rows by the bf16 dot): the same scores.
                        Not part of "auto" until measured on a GPU.
     select_scores:     "auto" | "native" | "pallas" | "interpret"  where the selection is native,
