@@ -869,9 +869,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--select-segments", default=None, type=int, metavar="P",
                     help="blocks a query row of the native CUDA top-k (KernelPlan select_segments; 1: one "
                          "block a row; default: native.topk_segments)")
-    ap.add_argument("--select-keys", default=None, choices=("stored", "dequantized"),
+    ap.add_argument("--select-keys", default=None, choices=("stored", "dequantized", "fp8"),
                     help="how the native selection reads an FP8 cache's indexer keys (KernelPlan select_keys; "
-                         "default: stored, the handler dequantizes them where it loads them)")
+                         "default: stored, the handler dequantizes them where it loads them; fp8: with --select-scores "
+                         "pallas, the Pallas kernel's e4m3 dots on FP8 tensor cores, exact under --numerics official)")
     ap.add_argument("--select-scores", default=None, choices=("native", "pallas"),
                     help="the scores the native selection's top-k picks from (KernelPlan select_scores; "
                          "default: the Pallas scoring kernel for prefill chunks on CUDA, the handler's for decode)")

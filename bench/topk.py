@@ -21,7 +21,9 @@ Cases (V4-Flash indexer sizes: nI = 64 heads of c = 128, index_topk K = 512):
               in a paged cache's pool (``native-fp4-stored-paged``), and the
               Pallas scoring over those and over the stored form (``--pallas-configs``;
               `index_scores` / `index_scores_fp4`, each followed by the native top-k; the layer
-              keeps the handler's scoring for decode until these measure faster).
+              keeps the handler's scoring for decode until these measure faster), and the
+              stored form on FP8 tensor cores (``pallas-fp8-scores``, `index_scores_fp8`; the
+              queries are on the FP4 grid in this case, as numerics="official" makes them).
 * ``select_prefill``  one query block of a long prefill (256 queries on a causal ramp, B = 1,
               bf16; ``--prefill-slots``: the entries its last query sees): the native selection,
               the top-k alone on the same scores (with ``--device-time`` each kernel's own time
@@ -55,8 +57,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dsv4_jax import native  # noqa: E402
+from dsv4_jax import native, numerics  # noqa: E402
 from dsv4_jax.ops.indexer import pallas as indexer_kernel  # noqa: E402
+from dsv4_jax.ops.indexer import pallas_fp8 as indexer_kernel_fp8  # noqa: E402
 from dsv4_jax.ops.indexer import reference as indexer  # noqa: E402
 
 
@@ -196,7 +199,9 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
     from dsv4_jax.cache.quantized import QuantizedRows
 
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads, dim)), jnp.bfloat16)
+    # Queries on the FP4 grid, as numerics="official" rounds them (the FP8 dots take only those;
+    # the other variants are indifferent to it).
+    q = numerics.fp4_round_trip(jnp.asarray(rng.standard_normal((unroll, batch, 1, heads, dim)), jnp.bfloat16))
     w = jnp.asarray(rng.standard_normal((unroll, batch, 1, heads)) * heads**-0.5, jnp.float32)
     # Random codes and scale bytes near 2 ** 0 (what a quantized cache holds; no host-side
     # quantization of a 1M context's keys needed).
@@ -237,6 +242,9 @@ def select_fp4_case(batch: int, slots: int, heads: int, dim: int, k: int, unroll
         select = pallas_select(config, k, stored=True)
         variants[pallas_name(config, stored=True)] = (lambda q, w, c, s, dense, pc, ps, t, v, select=select:
                                                       select(q, w, (c, s), v))
+        select = pallas_select(config, k, stored=True, fp8=True)
+        variants[pallas_name(config, stored=True, fp8=True)] = (lambda q, w, c, s, dense, pc, ps, t, v,
+                                                                select=select: select(q, w, (c, s), v))
     args = (q, w, codes, scales, dense, codes_pool, scales_pool, table, visible)
     return time_variants("select_fp4", variants, args, unroll, repeats,
                          {"batch": batch, "slots": slots, "heads": heads, "dim": dim, "top_k": k,
@@ -259,21 +267,24 @@ def pallas_configs(spec: str) -> list[dict]:
     return out
 
 
-def pallas_name(config: dict, stored: bool = False) -> str:
-    scores = "pallas-fp4-scores" if stored else "pallas-scores"
+def pallas_name(config: dict, stored: bool = False, fp8: bool = False) -> str:
+    scores = "pallas-fp8-scores" if fp8 else "pallas-fp4-scores" if stored else "pallas-scores"
     return f"native-{scores}[b{{block}} t{{tiles}} w{{num_warps}} s{{num_stages}}]+topk".format(**config)
 
 
-def pallas_select(config: dict, k: int, stored: bool = False):
+def pallas_select(config: dict, k: int, stored: bool = False, fp8: bool = False):
     """picks of queries [B, S, nI, c] against keys [B, T, c]: the Pallas scoring kernel
     (`indexer_kernel.index_scores`; interpret mode off the GPU), then the native top-k: what
     the layer's native selection runs for a prefill chunk on CUDA (`KernelPlan.select_scores`).
     `stored`: keys are an FP8 cache's (codes, scale bytes), scored by `index_scores_fp4`
-    (`KernelPlan.select_keys="stored"`)."""
+    (`KernelPlan.select_keys="stored"`), or with `fp8` by `index_scores_fp8`'s e4m3 dots
+    (`select_keys="fp8"`; queries on the FP4 grid)."""
 
     def select(q, w, keys, visible):
         interpret = jax.default_backend() != "gpu"
-        if stored:
+        if fp8:
+            scores = indexer_kernel_fp8.index_scores_fp8(q, w, *keys, visible, interpret=interpret, **config)
+        elif stored:
             scores = indexer_kernel.index_scores_fp4(q, w, *keys, visible, interpret=interpret, **config)
         else:
             scores = indexer_kernel.index_scores(q, w, keys, visible, interpret=interpret, **config)

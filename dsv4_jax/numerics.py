@@ -210,6 +210,21 @@ def dequantize_bits(values: Array, exponents: Array, dtype, block: int) -> Array
     return _dequantize(values, (exponents.astype(np.uint32) << _EXPONENT_SHIFT).view(np.float32), dtype, block)
 
 
+def split_fp4_grid(x: Array, block: int = FP4_BLOCK) -> tuple[Array, Array, Array]:
+    """Values already on the FP4 grid (`fp4_round_trip`'s output: an indexer query under
+    numerics="official", `round_indexer_official`) split into their exact factors: (the e2m1
+    values as float8_e4m3fn [..., n], the UE8M0 scale bytes uint8 [..., ceil(n / block)], and
+    whether each vector is on the grid: bool [...]) with ``dequantize_bits(values, bytes) == x``
+    wherever that flag is set. `quantize_to_bits` of the values again: a block whose absolute
+    max rounded to 3 * scale comes back at half the scale and twice the codes (the same values).
+    Off the grid (a value no e2m1 code times the block's scale gives, a NaN) the flag is False
+    and the factors are those of `fp4_round_trip(x)`, not of `x`."""
+    xp = namespace(x)
+    values, exponents = quantize_to_bits(x, block, "fp4")
+    back = dequantize_bits(values, exponents, np.float32, block)
+    return values, exponents, xp.all(back == x.astype(np.float32), axis=-1)
+
+
 # The 16 e2m1 codes' values (sign bit 3, exponent bits 2-1, mantissa bit 0), and the midpoints
 # between the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 that turn a grid value back into its code.
 FP4_CODE_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)

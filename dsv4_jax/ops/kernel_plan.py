@@ -85,6 +85,7 @@ KERNELS = ("auto", "xla", "native", "interpret")
 STAGE_CHOICES = ("auto", "pallas", "interpret", "xla")
 SELECT_CHOICES = ("auto", "native", "xla")
 SCORES_CHOICES = ("auto", "native", "pallas", "interpret")
+SELECT_KEYS_CHOICES = ("auto", "stored", "dequantized", "fp8")
 BACKWARD_CHOICES = ("auto", "triton", "wgmma", "cuda", "xla")
 PALLAS_STAGES = ("decode_attention", "prefill_attention", "compress", "query_norm", "projections", "split_merge")
 
@@ -132,7 +133,7 @@ class KernelPlan:
     select_segments: blocks a query row of the native CUDA top-k takes (A/B runs): None, the
         policy `native.topk_segments` (long rows among few are cut into segments merged after);
         1, one block a row. The picks are the same for every value.
-    select_keys:       "auto" | "stored" | "dequantized"  how the native selection reads an FP8
+    select_keys:       "auto" | "stored" | "dequantized" | "fp8"  how the native selection reads an FP8
                        cache's indexer keys: "stored" their codes and scale bytes, decoded where
                        each key is loaded (by the handler, `native.select_topk_fp4`, or by the
                        Pallas scoring kernel, `indexer_kernel.index_scores_fp4`), "dequantized" a
@@ -141,6 +142,11 @@ class KernelPlan:
                        time than with the copy at B = 8, 1M), the copy for the Pallas kernel
                        (its stored-form reading, gated on the H200, made a CSA 64k prefill 1.5x
                        slower; docs/breaks_and_kernels.md, "Why the kernels' defaults").
+                       "fp8": the stored form, and where the Pallas kernel scores it (on CUDA for
+                       the operands `ops.indexer.pallas_fp8.supports`) with e4m3 x e4m3 dots on the
+                       FP8 tensor cores (`ops.indexer.pallas_fp8`: exact for queries on the FP4 grid,
+                       numerics="official"; other query rows by the bf16 dot): the same scores.
+                       Not part of "auto" until measured on a GPU.
     select_scores:     "auto" | "native" | "pallas" | "interpret"  where the selection is native,
                        the scores its top-k picks from: "native" the handler's own scoring,
                        "pallas" the Pallas scoring kernel (`indexer_kernel`; on CUDA, for the
@@ -171,7 +177,7 @@ class KernelPlan:
         for stage in PALLAS_STAGES:
             check_choice(f"kernels.{stage}", getattr(self, stage), STAGE_CHOICES)
         check_choice("kernels.attention_backward", self.attention_backward, BACKWARD_CHOICES)
-        check_choice("kernels.select_keys", self.select_keys, ("auto", "stored", "dequantized"))
+        check_choice("kernels.select_keys", self.select_keys, SELECT_KEYS_CHOICES)
         check_choice("kernels.select_scores", self.select_scores, SCORES_CHOICES)
         for name in ("decode_blocks", "prefill_blocks"):
             blocks = getattr(self, name)

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax import KernelPlan, native
+from dsv4_jax import KernelPlan, native, numerics
 from dsv4_jax.cache.paged import PagedRows
 from dsv4_jax.cache.quantized import QuantizedRows, read
 from dsv4_jax.ops.indexer import native as indexer_native
 from dsv4_jax.ops.indexer import pallas as indexer_kernel
+from dsv4_jax.ops.indexer import pallas_fp8 as indexer_kernel_fp8
 from dsv4_jax.ops.indexer import reference as indexer
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -423,3 +424,184 @@ def test_gpu_paged_keys_select_as_the_contiguous_keys_they_hold(keys, heads, dim
             what = f"{phase} {scoring} graph={graph}"
             np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores), err_msg=what)
             np.testing.assert_array_equal(np.asarray(got.picks), np.asarray(want.picks), err_msg=what)
+
+
+def official_operands(batch, seq, heads, dim, slots, seed):
+    """Queries and MXFP4 keys as numerics="official" makes them: Hadamard-rotated, then FP4 blocks
+    of 32 (`round_indexer_official`; the keys in the cache's stored form), so that each row's
+    blocks' scales lie within a few powers of two (the FP8 kernel's bit-for-bit regime)."""
+    rng = np.random.default_rng(seed)
+    q = numerics.round_indexer_official(jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), jnp.bfloat16))
+    w = jnp.asarray(rng.standard_normal((batch, seq, heads)) * heads ** -0.5, jnp.float32)
+    keys = numerics.hadamard_rotate(jnp.asarray(rng.standard_normal((batch, slots, dim)), jnp.bfloat16))
+    values, scale_bytes = numerics.quantize_to_bits(keys, numerics.FP4_BLOCK, "fp4")
+    rows = QuantizedRows(values=numerics.pack_fp4(values), scales=scale_bytes,
+                         rope=jnp.zeros((batch, slots, 0), jnp.bfloat16), block=32, grid="fp4")
+    return q, w, rows
+
+
+def test_widened_e2m1_codes_are_their_values_in_e4m3():
+    """`widen_e2m1` of every byte (two e2m1 codes, -0.0 included) is `unpack_fp4`'s values, bit for
+    bit as float32 (signs of zeros too)."""
+    codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+    got = np.asarray(indexer_kernel_fp8.widen_e2m1(codes).astype(jnp.float32))
+    want = np.asarray(numerics.unpack_fp4(codes))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_official_queries_split_into_e4m3_codes_and_scales_exactly():
+    """`numerics.split_fp4_grid` of FP4-rounded values gives factors whose product is the values
+    (blocks whose maximum rounded to 3 * scale too: half the scale, twice the codes); values off the
+    grid are flagged, per vector."""
+    rng = np.random.default_rng(0)
+    x = numerics.round_indexer_official(jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16))
+    x = x.at[0, :32].set(jnp.asarray([3.0, -1.5, 0.5] + [0.0] * 29, jnp.bfloat16))  # amax 3 * scale
+    values, scale_bytes, on_grid = numerics.split_fp4_grid(x)
+    assert values.dtype == jnp.float8_e4m3fn and scale_bytes.dtype == jnp.uint8 and on_grid.shape == (64,)
+    assert bool(on_grid.all())
+    back = numerics.dequantize_bits(values, scale_bytes, jnp.float32, numerics.FP4_BLOCK)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x.astype(jnp.float32)))
+    off = x.at[3, 5].add(jnp.bfloat16(0.01))
+    np.testing.assert_array_equal(np.asarray(numerics.split_fp4_grid(off)[2]), np.arange(64) != 3)
+
+
+def pool_rows(pool: QuantizedRows) -> QuantizedRows:
+    """A paged pool's codes and scale bytes as key rows [N, .] (the kernels' paged operands)."""
+    return pool.replace(values=pool.values.reshape(-1, pool.values.shape[-1]),
+                        scales=pool.scales.reshape(-1, pool.scales.shape[-1]))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_fp8_dots_score_as_the_stored_fp4_kernel_bit_for_bit(layout):
+    """`index_scores_fp8` (interpret mode) gives `index_scores_fp4`'s scores bit for bit, prefill (3
+    queries a row, ragged visible counts, T = 300: a partial last block) and decode (1 query a row),
+    over contiguous keys and a paged pool (pages scattered, row 1 missing its last page); the picks
+    are the XLA reference's over the dequantized keys; the scores equal the reference's within
+    float32 rounding of the head sums."""
+    heads, dim = 16, 64
+    if layout == "contiguous":
+        q, w, rows = official_operands(2, 3, heads, dim, 300, seed=31)
+        keys, pages, view = rows, None, rows.dequantize()
+        cases = {"prefill": [[0, 129, 300], [300, 7, 256]], "decode": [[300], [211]]}
+    else:
+        q, w, rows = official_operands(2, 5, heads, dim, PAGED_SLOTS, seed=32)
+        paged = paged_keys(rows, PAGE_ENTRIES, PAGE_TABLE, seed=33)
+        keys, pages = pool_rows(paged.pool), native.Pages(paged.table, PAGE_ENTRIES, PAGED_SLOTS)
+        view = read(paged.view())
+        cases = PAGED_VISIBLE
+    for phase, visible in cases.items():
+        visible = jnp.asarray(visible, jnp.int32)
+        qs, ws = q[:, :visible.shape[1]], w[:, :visible.shape[1]]
+        got = indexer_kernel_fp8.index_scores_fp8(qs, ws, keys.values, keys.scales, visible, interpret=True,
+                                                  off_grid="raise", pages=pages)
+        want = indexer_kernel.index_scores_fp4(qs, ws, keys.values, keys.scales, visible, interpret=True,
+                                               pages=pages)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=phase)
+        twin = indexer.select_topk(qs, ws, view, visible, top_k=8, with_scores=True)
+        assert_scores_match(got, twin.scores)
+        np.testing.assert_array_equal(np.asarray(indexer.picks_from_scores(got, visible, 8)), np.asarray(twin.picks),
+                                      err_msg=phase)
+
+
+def test_queries_off_the_fp4_grid_are_refused_or_scored_by_the_bf16_dot():
+    """Queries not on the FP4 grid (numerics="reference"): an eager call with ``off_grid="raise"``
+    refuses them naming the rows; otherwise (under a jit) each such row is scored by the bf16 dot
+    inside the kernel: `index_scores_fp4`'s scores bit for bit, rows on the grid beside them too."""
+    q, w, rows = official_operands(2, 3, 16, 64, 130, seed=34)
+    loose = random_operands(2, 3, 16, 64, 8, seed=35)[0]
+    mixed = q.at[1, 2].set(loose[1, 2])  # one row off the grid
+    visible = jnp.asarray([[1, 64, 130], [130, 100, 129]], jnp.int32)
+    with pytest.raises(ValueError, match=r"queries: expected values on the FP4 grid .* rows off it: \[\(1, 2\)\]"):
+        indexer_kernel_fp8.index_scores_fp8(mixed, w, rows.values, rows.scales, visible, off_grid="raise",
+                                            interpret=True)
+    with pytest.raises(ValueError, match=r"off_grid: expected 'fall_back' or 'raise', got 'ignore'"):
+        indexer_kernel_fp8.index_scores_fp8(q, w, rows.values, rows.scales, visible, off_grid="ignore")
+    score = jax.jit(lambda *a: indexer_kernel_fp8.index_scores_fp8(*a, interpret=True))
+    for queries in (mixed, loose):
+        got = score(queries, w, rows.values, rows.scales, visible)
+        want = indexer_kernel.index_scores_fp4(queries, w, rows.values, rows.scales, visible, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native handlers are not built")
+def test_the_plan_scores_an_fp8_caches_keys_with_fp8_dots_where_asked():
+    """`KernelPlan(select_keys="fp8")` with the Pallas kernel's scoring (interpret mode) runs
+    `index_scores_fp8` and selects as "stored" does (picks and scores bit for bit); "auto" and
+    "stored" never run it; an unknown choice is refused."""
+    q, w, rows = official_operands(1, 4, 16, 64, 96, seed=36)
+    visible = jnp.asarray([[93, 94, 95, 96]], jnp.int32)
+    calls = []
+    real = indexer_kernel_fp8.index_scores_fp8
+
+    def select(select_keys):
+        plan = KernelPlan(select="native", select_scores="interpret", select_keys=select_keys)
+        return jax.jit(lambda q, w, k, v: indexer_native.select_native(
+            q, w, k, v, top_k=8, with_scores=True, graph=True, kernels=plan))(q, w, rows, visible)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(indexer_kernel_fp8, "index_scores_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = select("fp8")
+        assert calls
+        calls.clear()
+        want = select("stored")
+        select("auto")
+        assert not calls
+    np.testing.assert_array_equal(np.asarray(got.picks), np.asarray(want.picks))
+    np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
+    assert KernelPlan().select_keys == "auto"
+    with pytest.raises(ValueError, match=r"kernels.select_keys: expected one of \('auto', 'stored', 'dequantized', "
+                                         r"'fp8'\), got 'e4m3'"):
+        KernelPlan(select_keys="e4m3")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_the_fp8_kernel_lowers_to_a_triton_kernel_for_cuda(layout):
+    """At V4's sizes (nI = 64, c = 128, a query block of 256 against 8,000 entries: a partial last
+    block; or a paged pool of 64-entry pages) the FP8 kernel lowers on this CPU to the Triton
+    custom call: its e4m3 dots, the codes' widening and bitcast, the per-row branch to the bf16 dot."""
+    q, w = jax.ShapeDtypeStruct((1, 256, 64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
+    visible = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    if layout == "paged":
+        def fn(q, w, table, codes, scale_bytes, visible):
+            return indexer_kernel_fp8.index_scores_fp8(q, w, codes, scale_bytes, visible,
+                                                       pages=native.Pages(table, 64, 8000))
+
+        args = (q, w, jax.ShapeDtypeStruct((1, 128), jnp.int32), jax.ShapeDtypeStruct((256 * 64, 64), jnp.uint8),
+                jax.ShapeDtypeStruct((256 * 64, 4), jnp.uint8), visible)
+    else:
+        fn = indexer_kernel_fp8.index_scores_fp8
+        args = (q, w, jax.ShapeDtypeStruct((1, 8000, 64), jnp.uint8), jax.ShapeDtypeStruct((1, 8000, 4), jnp.uint8),
+                visible)
+    try:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as err:  # jax >= 0.12 reads the GPU's compute capability here
+        if "No supported GPU devices found" not in str(err):
+            raise
+        pytest.skip("this jax lowers Pallas' Triton kernels only where a GPU is present")
+    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, text[:2000]
+
+
+@pytest.mark.skipif(not (ON_GPU and NATIVE), reason="the Triton kernel and the native CUDA handlers need CUDA")
+@pytest.mark.parametrize("batch, seq, slots, paged", [(8, 1, 262144, False), (2, 256, 65536, False),
+                                                      (8, 1, 65536, True)],
+                         ids=["decode-256k", "prefill-64k", "decode-paged"])
+def test_gpu_fp8_dots_score_as_the_stored_fp4_kernel_at_flash_sizes(batch, seq, slots, paged):
+    """On Hopper at V4-Flash sizes (c = 128, nI = 64, official numerics' queries and keys): the FP8
+    kernel's scores are `index_scores_fp4`'s bit for bit (wgmma e4m3 against wgmma bf16), and so
+    its picks; decode rows of 262,144 entries, a prefill block of 256 on a causal ramp, and a
+    paged pool (64-entry pages scattered, row 1 missing two pages)."""
+    q, w, rows = official_operands(batch, seq, 64, 128, slots, seed=41)
+    visible = jnp.asarray(np.broadcast_to(slots - (seq - 1 - np.arange(seq)) // 4, (batch, seq)), jnp.int32)
+    pages = None
+    if paged:
+        per_row = slots // 64
+        paged_rows = paged_keys(rows, 64, scattered_table(batch, per_row, seed=42), seed=43)
+        rows = pool_rows(paged_rows.pool)
+        pages = native.Pages(paged_rows.table, 64, slots)
+    got = jax.jit(lambda *a: indexer_kernel_fp8.index_scores_fp8(*a, pages=pages))(
+        q, w, rows.values, rows.scales, visible)
+    want = jax.jit(lambda *a: indexer_kernel.index_scores_fp4(*a, pages=pages))(q, w, rows.values, rows.scales,
+                                                                               visible)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(native.topk(got, visible, top_k=512, graph=True)),
+                                  np.asarray(native.topk(want, visible, top_k=512, graph=True)))

@@ -13,6 +13,7 @@ from dsv4_jax.backend import QUERY_BLOCK, map_query_blocks
 from dsv4_jax.cache.paged import PagedRows
 from dsv4_jax.cache.quantized import QuantizedRows, read
 from dsv4_jax.ops.indexer import pallas as indexer_kernel
+from dsv4_jax.ops.indexer import pallas_fp8 as indexer_kernel_fp8
 from dsv4_jax.ops.indexer import reference as indexer
 from dsv4_jax.ops.kernel_plan import KernelPlan
 
@@ -32,7 +33,10 @@ def select_native(queries, weights, keys, visible, *, top_k, with_scores=False, 
     the stored form a CSA 64k prefill took 1.5x the time on the H200, each query block decoding
     the keys again). A paged cache's keys (`paged.PagedRows`): the handler and the kernel read
     each key in its page of the pool through the page table (`native.Pages`), no copy of a
-    row's keys (a "dequantized" copy is of the pool)."""
+    row's keys (a "dequantized" copy is of the pool). ``select_keys="fp8"``: as "stored", and
+    where the Pallas kernel scores the stored form and takes them (`indexer_kernel_fp8.supports`)
+    with e4m3 x e4m3 dots (`indexer_kernel_fp8.index_scores_fp8`; query rows off the FP4 grid
+    by the bf16 dot inside the kernel): the same scores."""
     paged = isinstance(keys, PagedRows)
     held = keys.pool if paged else keys  # the keys as the cache stores them: an array or QuantizedRows
     pages = native.Pages(keys.table, keys.page_entries, keys.slots) if paged else None
@@ -43,7 +47,7 @@ def select_native(queries, weights, keys, visible, *, top_k, with_scores=False, 
     scoring = kernels.scores_for(queries, keys)
     segments, select_keys = kernels.select_segments, kernels.select_keys
     fp4 = isinstance(held, QuantizedRows) and held.grid == "fp4" and held.block == numerics.FP4_BLOCK
-    stored = fp4 and (select_keys != "dequantized" if scoring == "native" else select_keys == "stored")
+    stored = fp4 and (select_keys != "dequantized" if scoring == "native" else select_keys in ("stored", "fp8"))
     if scoring == "native" and stored:
 
         def select_fp4_block(q, w, vis, codes, key_scales):
@@ -55,11 +59,13 @@ def select_native(queries, weights, keys, visible, *, top_k, with_scores=False, 
         return map_query_blocks(select_fp4_block, (queries, weights, visible), (rows(held.values), rows(held.scales)),
                                 block)
 
-    if stored:  # the Pallas kernel over the stored form
+    if stored:  # the Pallas kernel over the stored form, its dots in the cache's dtype or in FP8
+        on_fp8 = select_keys == "fp8" and indexer_kernel_fp8.supports(queries, held)
+        score = indexer_kernel_fp8.index_scores_fp8 if on_fp8 else indexer_kernel.index_scores_fp4
 
         def score_fp4_block(q, w, vis, codes, key_scales):
-            scores = indexer_kernel.index_scores_fp4(*jax.lax.stop_gradient((q, w)), codes, key_scales, vis,
-                                                     dtype=held.dtype, interpret=scoring == "interpret", pages=pages)
+            scores = score(*jax.lax.stop_gradient((q, w)), codes, key_scales, vis, dtype=held.dtype,
+                           interpret=scoring == "interpret", pages=pages)
             picks = native.topk(scores, vis, top_k=top_k, graph=graph, segments=segments)
             return indexer.Selection(picks, scores if with_scores else None)
 

@@ -74,10 +74,17 @@ def decode_fp4(codes: Array, scale_bytes: Array, dtype) -> Array:
     return pairs.reshape(n, 2 * half).astype(dtype)
 
 
-def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: float, seq: int, slots: int,
-            dtype, page_entries: int | None):
-    # keys [B, T, c], or codes [B, T, c/2] and scale bytes [B, T, c/32]; paged (`page_entries`):
-    # the same as a pool's rows [N, .], then the page table [B, P_row]; out [R, T]
+def _kernel(visible_ref, *refs, n_query_refs: int, dots_of, block: int, tiles: int, scale: float, seq: int,
+            slots: int, page_entries: int | None):
+    # the queries' refs (`n_query_refs`: [R, nI, c], or a form of them that `dots_of` reads), the
+    # head weights [R, nI]; keys [B, T, c], or codes [B, T, c/2] and scale bytes [B, T, c/32];
+    # paged (`page_entries`): the same as a pool's rows [N, .], then the page table [B, P_row];
+    # out [R, T]. `dots_of(query_refs, key_refs)`: a setup (called once a program, outside the
+    # loop over blocks: the queries' loads) returning a function of a block's loader
+    # (``load(ref, columns=None)``: the block's rows of a key ref, all channels or a static
+    # ``(first, width)`` span of them) to the block's q.k dots, float32 [block, nI]; or
+    # (flag, setup, setup): the row's choice between two such setups.
+    query_refs, (w_ref, *refs) = refs[:n_query_refs], refs[n_query_refs:]
     *key_refs, out_ref = refs
     if page_entries is not None:
         *key_refs, table_ref = key_refs
@@ -87,28 +94,28 @@ def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: flo
     visible = visible_ref[0]
     n_loaded = jnp.clip((visible - first + block - 1) // block, 0, tiles)
     n_blocks = jnp.clip((slots - first + block - 1) // block, 0, tiles)  # blocks inside [0, T)
-    q = q_ref[0]                              # [nI, c]
     w = w_ref[0].astype(jnp.float32)          # [nI]
     entries = jnp.arange(block, dtype=jnp.int32)
-    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     ragged = slots % block != 0  # static: a partial last block, its loads and stores masked
 
-    def load(ref, start):
+    def load(ref, start, columns=None):
         if page_entries is not None:
-            return load_paged(ref, start)
-        at = ref.at[source, pl.ds(start, block), :]
+            return load_paged(ref, start, columns)
+        lo, width = columns or (0, ref.shape[-1])
+        at = ref.at[source, pl.ds(start, block), pl.ds(lo, width)]
         if not ragged:
             return at[...]
         return plgpu.load(at, mask=(start + entries < slots)[:, None], other=0)
 
-    def load_paged(ref, start):  # each key row at its own address (a block may span pages)
+    def load_paged(ref, start, columns):  # each key row at its own address (a block may span pages)
+        lo, width = columns or (0, ref.shape[-1])
         t = start + entries
         page = table_ref[source, jnp.minimum(t, slots - 1) // page_entries]  # [block]
         held = (t < slots) & (page >= 0) & (page < ref.shape[0] // page_entries)
         at = jnp.where(held, page * page_entries + t % page_entries, 0)
-        columns = jnp.arange(ref.shape[1], dtype=jnp.int32)
+        channels = lo + jnp.arange(width, dtype=jnp.int32)
         # A missing page reads as zeros, as `PagedRows.view` holds it (its scores are 0).
-        return plgpu.load(ref.at[at[:, None], columns[None, :]], mask=held[:, None], other=0)
+        return plgpu.load(ref.at[at[:, None], channels[None, :]], mask=held[:, None], other=0)
 
     def store(start, values):
         at = out_ref.at[r, pl.ds(start, block)]
@@ -117,23 +124,25 @@ def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: flo
         else:
             at[...] = values
 
-    def keys_at(start):  # [block, c] in the compute dtype
-        if len(key_refs) == 1:
-            return load(key_refs[0], start)
-        return decode_fp4(load(key_refs[0], start), load(key_refs[1], start), dtype)
+    def score_blocks(dots_for):  # the loop over the visible blocks, with `dots_for`'s queries loaded
+        dots_at = dots_for()  # a block's loader -> its dots
 
-    def score_block(n, carry):
-        start = first + n * block
-        k = keys_at(start)
-        # float32 runs only in interpret mode (tests), whose dots on a GPU would otherwise be TF32.
-        dots = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=exact,
-                                   preferred_element_type=jnp.float32)
-        s = (jnp.maximum(dots, 0.0) * jnp.float32(scale) * w[None, :]).sum(axis=1)  # [block]
-        s = jnp.where(s == 0.0, jnp.float32(0.0), s)  # fold -0.0 into +0.0: ties must compare equal
-        store(start, jnp.where(start + entries < visible, s, -jnp.inf))
-        return carry
+        def score_block(n, carry):
+            start = first + n * block
+            dots = dots_at(functools.partial(load, start=start))  # [block, nI] float32
+            s = (jnp.maximum(dots, 0.0) * jnp.float32(scale) * w[None, :]).sum(axis=1)  # [block]
+            s = jnp.where(s == 0.0, jnp.float32(0.0), s)  # fold -0.0 into +0.0: ties must compare equal
+            store(start, jnp.where(start + entries < visible, s, -jnp.inf))
+            return carry
 
-    jax.lax.fori_loop(0, n_loaded, score_block, 0)
+        jax.lax.fori_loop(0, n_loaded, score_block, 0)
+
+    chosen = dots_of(query_refs, key_refs)
+    if callable(chosen):
+        score_blocks(chosen)
+    else:  # (a per-row flag, the dots where it is set, the dots where not): one branch a program
+        flag, dots_on, dots_off = chosen
+        jax.lax.cond(flag, lambda: score_blocks(dots_on), lambda: score_blocks(dots_off))
 
     def unloaded(n, carry):  # blocks past the row's visible entries
         store(first + n * block, jnp.full((block,), -jnp.inf, jnp.float32))
@@ -142,9 +151,33 @@ def _kernel(visible_ref, q_ref, w_ref, *refs, block: int, tiles: int, scale: flo
     jax.lax.fori_loop(n_loaded, n_blocks, unloaded, 0)
 
 
-def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, tiles, num_warps, num_stages,
-          pages=None):
-    batch, seq, heads, dim = queries.shape
+def dense_dots(query_ref, key_refs, *, dtype):
+    """`_kernel`'s dots over keys in `dtype` (bf16, or float32 in interpret mode): one dot of the
+    block's keys [block, c] (loaded, or decoded from their MXFP4 codes, `decode_fp4`) against
+    the queries [nI, c] (`query_ref` [1, nI, c])."""
+    q = query_ref[0]                          # [nI, c]
+    # float32 runs only in interpret mode (tests), whose dots on a GPU would otherwise be TF32.
+    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+    def dots(load):
+        if len(key_refs) == 1:
+            k = load(key_refs[0])
+        else:
+            k = decode_fp4(load(key_refs[0]), load(key_refs[1]), dtype)
+        return jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=exact,
+                                   preferred_element_type=jnp.float32)
+
+    return dots
+
+
+def score_call(query_arrays, weights, key_arrays, visible, *, dim: int, dots_of, interpret, block, tiles,
+               num_warps, num_stages, pages=None):
+    """The scores float32 [B, S, T] of `_kernel` with `dots_of` (its dots of a key block) over
+    `query_arrays` (each [B, S, ...]: the queries [B, S, nI, c], or a form of them that `dots_of`
+    reads, `pallas_fp8`), weights [B, S, nI], `key_arrays` (keys [B, T, .], or a paged pool
+    [N, .] with `pages`) and visible [B, S]; `dim` is c (the scores' c^-1/2)."""
+    batch, seq = visible.shape
+    heads = weights.shape[-1]
     slots = key_arrays[0].shape[1] if pages is None else pages.slots
     page_entries = None
     if pages is not None:
@@ -162,14 +195,19 @@ def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, til
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     rows = batch * seq
+    query_arrays = [a.reshape(rows, *a.shape[2:]) for a in query_arrays]
+
+    def row_spec(a):  # a program's query row of an operand [R, ...]
+        return pl.BlockSpec((1, *a.shape[1:]), lambda r, j, n=a.ndim - 1: (r,) + (0,) * n)
+
     whole = pl.no_block_spec  # the keys and the scores: each program reads and writes its span itself
     out = pl.pallas_call(
-        functools.partial(_kernel, block=block, tiles=tiles, scale=dim ** -0.5, seq=seq, slots=slots, dtype=dtype,
-                          page_entries=page_entries),
+        functools.partial(_kernel, n_query_refs=len(query_arrays), dots_of=dots_of, block=block, tiles=tiles,
+                          scale=dim ** -0.5, seq=seq, slots=slots, page_entries=page_entries),
         grid=(rows, -(-slots // (block * tiles))),
         in_specs=[
             pl.BlockSpec((1,), lambda r, j: (r,)),
-            pl.BlockSpec((1, heads, dim), lambda r, j: (r, 0, 0)),
+            *[row_spec(a) for a in query_arrays],
             pl.BlockSpec((1, heads), lambda r, j: (r, 0)),
             *[whole] * len(key_arrays),
         ],
@@ -178,9 +216,15 @@ def _call(queries, weights, key_arrays, visible, *, dtype, interpret, block, til
         interpret=interpret,
         name="indexer_scores_kernel",
         **extra,
-    )(visible.astype(jnp.int32).reshape(rows), queries.reshape(rows, heads, dim),
+    )(visible.astype(jnp.int32).reshape(rows), *query_arrays,
       weights.astype(jnp.float32).reshape(rows, heads), *key_arrays)
     return out.reshape(batch, seq, slots)
+
+
+def _call(queries, weights, key_arrays, visible, *, dtype, **options):
+    return score_call((queries,), weights, key_arrays, visible, dim=queries.shape[-1],
+                      dots_of=lambda query_refs, key_refs: functools.partial(
+                          dense_dots, query_refs[0], key_refs, dtype=dtype), **options)
 
 
 def index_scores(queries: Array, weights: Array, keys: Array, visible: Array, *, interpret: bool = False,
