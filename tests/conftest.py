@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 # Compiling dominates this suite: it builds a few hundred small XLA:CPU programs (every layer
 # type x break mode x call shape). XLA:CPU keeps IEEE float semantics at every LLVM optimisation
@@ -21,16 +23,12 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
 # the first process (the workers and subprocesses inherit it through the environment), compiles
 # each once: about a seventh of the suite's CPU time. Programs with host callbacks are never
 # cached (JAX's rule). DSV4_TEST_COMPILE_CACHE=0 turns it off.
-_OWN_CACHE = None
 if os.environ.get("DSV4_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    _OWN_CACHE = tempfile.mkdtemp(prefix="dsv4_test_compile_cache_")
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_OWN_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="dsv4_test_compile_cache_"),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                      DSV4_TEST_COMPILE_CACHE_OWNER=str(os.getpid()))
 
 import gc
-import shutil
 
 import jax
 import pytest
@@ -61,8 +59,8 @@ def pytest_sessionfinish(session):
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE is not None and not hasattr(config, "workerinput"):
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    if os.environ.get("DSV4_TEST_COMPILE_CACHE_OWNER") == str(os.getpid()):  # the process that made it
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):
