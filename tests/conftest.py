@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 # Compiling dominates this suite: it builds a few hundred small XLA:CPU programs (every layer
 # type x break mode x call shape). XLA:CPU keeps IEEE float semantics at every LLVM optimisation
@@ -16,17 +14,6 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
     "XLA_FLAGS", ""
 ):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-
-# The same small programs are compiled again and again: by the next test file (each file drops
-# its compiled programs, below), by the other xdist worker, and by the subprocesses (notebooks,
-# docs, benchmarks, 8 fake devices). One persistent compilation cache for the run, made fresh by
-# the first process (the workers and subprocesses inherit it through the environment), compiles
-# each once: about a seventh of the suite's CPU time. Programs with host callbacks are never
-# cached (JAX's rule). DSV4_TEST_COMPILE_CACHE=0 turns it off.
-if os.environ.get("DSV4_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="dsv4_test_compile_cache_"),
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                      DSV4_TEST_COMPILE_CACHE_OWNER=str(os.getpid()))
 
 import gc
 
@@ -56,11 +43,6 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     JOBS.stop()
-
-
-def pytest_unconfigure(config):
-    if os.environ.get("DSV4_TEST_COMPILE_CACHE_OWNER") == str(os.getpid()):  # the process that made it
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -78,14 +78,15 @@ def test_the_profile_splits_an_operation_into_its_kernels(tmp_path):
 
 def test_a_decode_step_over_fp4_keys_times_the_pallas_scoring_on_their_bf16_values():
     """`select_fp4`: the stored-form selection (contiguous and in a paged pool's scattered pages),
-    the dequantized copy, the bf16 keys and the Pallas scoring over those and over the stored
-    form pick alike."""
+    the dequantized copy, the bf16 keys and the Pallas scoring over those, over the stored form
+    and on FP8 tensor cores pick alike."""
     from bench import topk
 
     records = topk.select_fp4_case(batch=2, slots=64, heads=16, dim=32, k=8, unroll=1, repeats=1,
                                    configs="32:2:4:3")
     names = [r["variant"] for r in records]
     assert names == ["native-fp4-stored", "native-fp4-dequantized", "native-bf16-keys", "native-fp4-stored-paged",
-                     "native-pallas-scores[b32 t2 w4 s3]+topk", "native-pallas-fp4-scores[b32 t2 w4 s3]+topk"]
+                     "native-pallas-scores[b32 t2 w4 s3]+topk", "native-pallas-fp4-scores[b32 t2 w4 s3]+topk",
+                     "native-pallas-fp8-scores[b32 t2 w4 s3]+topk"]
     if native.available(jax.default_backend()):
         assert all(r["picks_equal"] for r in records), records
