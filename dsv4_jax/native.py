@@ -168,6 +168,21 @@ class Pages(NamedTuple):
     entries: int
     slots: int
 
+    def checked(self, key_arrays, lead: tuple[int, ...]) -> tuple[int, Any]:
+        """(entries, table int32) after checking the pool's operands `key_arrays` ([N, .] each,
+        N a multiple of ``entries``) and the table ([*lead, P_row], P_row * entries >= slots):
+        a `ValueError` naming ``keys`` or ``pages.table`` otherwise."""
+        entries = int(self.entries)
+        rows = key_arrays[0].shape[0]
+        if any(k.ndim != 2 or k.shape[0] != rows for k in key_arrays) or entries < 1 or rows % entries:
+            raise ValueError(f"keys: expected a paged pool [pages * {entries}, .] for pages of {entries} entries, "
+                             f"got {[tuple(k.shape) for k in key_arrays]}")
+        table = jnp.asarray(self.table, jnp.int32)
+        if table.shape[:-1] != tuple(lead) or table.shape[-1] * entries < self.slots:
+            raise ValueError(f"pages.table: expected [{', '.join(map(str, lead))}, P_row] int32 with "
+                             f"P_row * {entries} >= {self.slots} entries a row, got {tuple(table.shape)}")
+        return entries, table
+
 
 def _paged_call(name: str, key_args: tuple, pages: Pages | None, lead_and_seq: tuple, top_k: int,
                 segments: int | None, args: tuple, graph: bool):
@@ -184,15 +199,7 @@ def _paged_call(name: str, key_args: tuple, pages: Pages | None, lead_and_seq: t
         call = jax.ffi.ffi_call(name + ("_graph" if graph else ""), out_types, vmap_method="broadcast_all")
         picks, scores, _ = call(queries, weights, *key_args, visible)
         return picks, scores
-    entries = int(pages.entries)
-    rows = key_args[0].shape[0]
-    if any(k.ndim != 2 or k.shape[0] != rows for k in key_args) or entries < 1 or rows % entries:
-        raise ValueError(f"keys: expected a paged pool [pages * {entries}, .] for pages of {entries} entries, got "
-                         f"{[tuple(k.shape) for k in key_args]}")
-    table = jnp.asarray(pages.table, jnp.int32)
-    if table.shape[:-1] != lead_and_seq[:-1] or table.shape[-1] * entries < slots:
-        raise ValueError(f"pages.table: expected [{', '.join(map(str, lead_and_seq[:-1]))}, P_row] int32 with "
-                         f"P_row * {entries} >= {slots} entries a row, got {tuple(table.shape)}")
+    entries, table = pages.checked(key_args, lead_and_seq[:-1])
     # vmap: one call a batch element (the pool is shared, not broadcast along the vmapped dims).
     call = jax.ffi.ffi_call(name + "_paged" + ("_graph" if graph else ""), out_types, vmap_method="sequential")
     picks, scores, _ = call(queries, weights, *key_args, table, visible, page_entries=np.int64(entries))

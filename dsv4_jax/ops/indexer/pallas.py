@@ -181,15 +181,7 @@ def score_call(query_arrays, weights, key_arrays, visible, *, dim: int, dots_of,
     slots = key_arrays[0].shape[1] if pages is None else pages.slots
     page_entries = None
     if pages is not None:
-        page_entries = int(pages.entries)
-        rows = key_arrays[0].shape[0]
-        if any(k.ndim != 2 or k.shape[0] != rows for k in key_arrays) or page_entries < 1 or rows % page_entries:
-            raise ValueError(f"keys: expected a paged pool [pages * {page_entries}, .] for pages of {page_entries} "
-                             f"entries, got {[tuple(k.shape) for k in key_arrays]}")
-        table = jnp.asarray(pages.table, jnp.int32)
-        if table.shape[0] != batch or table.ndim != 2 or table.shape[1] * page_entries < slots:
-            raise ValueError(f"pages.table: expected [{batch}, P_row] int32 with P_row * {page_entries} >= {slots} "
-                             f"entries a row, got {tuple(table.shape)}")
+        page_entries, table = pages.checked(key_arrays, (batch,))
         key_arrays = (*key_arrays, table)
     extra = {}
     if not interpret:
