@@ -328,13 +328,7 @@ def test_the_kernel_lowers_to_a_triton_kernel_for_cuda(keys, slots):
     else:
         fn, args = indexer_kernel.index_scores_fp4, (q, w, jax.ShapeDtypeStruct((1, slots, 64), jnp.uint8),
                                                      jax.ShapeDtypeStruct((1, slots, 4), jnp.uint8), visible)
-    try:
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except RuntimeError as err:  # jax >= 0.12 reads the GPU's compute capability here
-        if "No supported GPU devices found" not in str(err):
-            raise
-        pytest.skip("this jax lowers Pallas' Triton kernels only where a GPU is present")
-    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, text[:2000]
+    _assert_lowers_to_a_triton_kernel(fn, args)
 
 
 @pytest.mark.skipif(not (ON_GPU and NATIVE), reason="the Triton kernel and the native CUDA handlers need CUDA")
@@ -572,13 +566,7 @@ def test_the_fp8_kernel_lowers_to_a_triton_kernel_for_cuda(layout):
         fn = indexer_kernel_fp8.index_scores_fp8
         args = (q, w, jax.ShapeDtypeStruct((1, 8000, 64), jnp.uint8), jax.ShapeDtypeStruct((1, 8000, 4), jnp.uint8),
                 visible)
-    try:
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except RuntimeError as err:  # jax >= 0.12 reads the GPU's compute capability here
-        if "No supported GPU devices found" not in str(err):
-            raise
-        pytest.skip("this jax lowers Pallas' Triton kernels only where a GPU is present")
-    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, text[:2000]
+    _assert_lowers_to_a_triton_kernel(fn, args)
 
 
 @pytest.mark.skipif(not (ON_GPU and NATIVE), reason="the Triton kernel and the native CUDA handlers need CUDA")
@@ -605,3 +593,15 @@ def test_gpu_fp8_dots_score_as_the_stored_fp4_kernel_at_flash_sizes(batch, seq, 
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(native.topk(got, visible, top_k=512, graph=True)),
                                   np.asarray(native.topk(want, visible, top_k=512, graph=True)))
+
+
+def _assert_lowers_to_a_triton_kernel(fn, args):
+    """`fn(*args)` lowered for CUDA on this machine holds a Triton kernel call (skips where this
+    jax needs a GPU present to lower Pallas' Triton kernels)."""
+    try:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as err:  # jax >= 0.12 reads the GPU's compute capability here
+        if "No supported GPU devices found" not in str(err):
+            raise
+        pytest.skip("this jax lowers Pallas' Triton kernels only where a GPU is present")
+    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text, text[:2000]
