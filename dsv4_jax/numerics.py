@@ -97,6 +97,18 @@ def _blocks(x: Array, block: int) -> tuple[Array, int]:
     return x.reshape(*x.shape[:-1], (n + pad) // block, block), n
 
 
+def _round_to_e2m1(q: Array) -> Array:
+    """float32 `q` in [-6, 6] rounded to the nearest e2m1 value, ties to even, in float32: the
+    grid's steps are 0.5 below 2, 1 below 4 and 2 up to 6, and ties to an even multiple of the
+    step are ties to an even mantissa. Done here, not by the conversion to `FP4`, which then
+    only re-encodes grid values: XLA:CPU's classic fusion emitter rounds an f32 -> e2m1
+    conversion twice (1.2500001 -> 1.0 where the nearest value is 1.5)."""
+    xp = namespace(q)
+    a = xp.abs(q)
+    step = xp.where(a < 2, np.float32(0.5), xp.where(a < 4, np.float32(1), np.float32(2)))
+    return xp.copysign(xp.round(a / step) * step, q)
+
+
 def _quantize(x: Array, block: int, qmax: float, floor: np.float32, grid: np.dtype):
     """Blocked quantization of `x` [..., n]: (grid values as float32 [..., nb, block],
     float32 scales [..., nb, 1] (NaN for a non-finite block), n)."""
@@ -117,6 +129,8 @@ def _quantize(x: Array, block: int, qmax: float, floor: np.float32, grid: np.dty
     amax = xp.where(finite, xp.maximum(amax, floor), np.finfo(np.float32).max)
     scale = _pow2_scale(amax, qmax)
     q = xp.clip(xb / scale, np.float32(-qmax), np.float32(qmax))
+    if grid == FP4:
+        q = _round_to_e2m1(q)
     q = xp.where(finite, q, np.float32(0)).astype(grid)
     if xp is not np:
         # With excess precision allowed (XLA:GPU's default) XLA removes a narrowing convert

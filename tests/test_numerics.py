@@ -197,6 +197,20 @@ def test_fp4_round_trip_matches_port(ns, dtype, width):
     assert_same_bits(run(numerics.fp4_round_trip, x, ns), port_fp4(x))
 
 
+def test_the_fp4_grid_rounding_is_the_e2m1_conversion():
+    """The quantizer rounds onto the e2m1 grid itself (`numerics._round_to_e2m1`; XLA:CPU's
+    classic fusion emitter rounds an f32 -> e2m1 conversion twice): ml_dtypes' conversion bit
+    for bit at every tie, one float either side of it, the grid, the signed zeros and random
+    values, in NumPy and jitted."""
+    grid = np.float32([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    ties = (grid[1:] + grid[:-1]) / 2
+    near = np.concatenate([ties, np.nextafter(ties, 7), np.nextafter(ties, 0), grid])
+    x = np.concatenate([near, -near, np.random.default_rng(0).uniform(-6, 6, 4096)]).astype(np.float32)
+    want = x.astype(numerics.FP4).astype(np.float32)
+    for got in (numerics._round_to_e2m1(x), np.asarray(jax.jit(numerics._round_to_e2m1)(x))):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize(("ns", "width"), by_width([128, 64, 16, 24, 1], eager=(16, 24, 1)))
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_hadamard_matches_port(ns, dtype, width):
