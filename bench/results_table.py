@@ -30,7 +30,7 @@ Row = tuple[str, str, str]  # case, figure, note
 
 
 def _ctx(n: int) -> str:
-    return f"{n // 1024}k"
+    return f"{n // 1024}k" if n >= 1024 else str(n)
 
 
 def stack(records: list[dict]) -> Iterator[Row]:
@@ -246,6 +246,32 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "CONTEXTS=1048576 BATCHES=1,8 bash bench/gpu.sh loops",
      H100 + "; the module calls of CSA B = 8 ran out of the H100's memory (the calls keep two caches)",
      "a385271", loops),
+    ("Paged caches against contiguous ones, S = 4 verification steps against S = 1 (16k, 128k)",
+     "h100_paged_2026-12-07_s74_16k_128k.json",
+     "CONTEXTS=16384,131072 bash bench/gpu.sh paged  (python3 bench/paged.py --size flash --stacks csa,hca "
+     "--batches 1,8,32 --contexts 16384,131072 --query-batches 8 --query-contexts 16384,131072)",
+     H100 + "; max diff: the hidden states after the last of ~40 steps, each fed the last one's output",
+     "0a0297a", paged),
+    ("Paged caches against contiguous ones at 1M tokens (and 128k S = 4 again)",
+     "h100_paged_2026-12-07_s74_1m.json",
+     "CONTEXTS=1048576 BATCHES=1,8 QUERY_CONTEXTS=131072 bash bench/gpu.sh paged",
+     H100, "0a0297a", paged),
+    ("Paged CSA after the selection's one table lookup a tile (128k, B = 8 and 32)",
+     "h100_paged_2026-12-07_s74_tile_run_128k.json",
+     "STACKS=csa BATCHES=8,32 CONTEXTS=131072 QUERY_CONTEXTS=131072 bash bench/gpu.sh paged",
+     H100, "102ccc8 + the CUDA selection's key-run reads", paged),
+    ("Paged CSA after the selection's one table lookup a tile (1M, B = 8)",
+     "h100_paged_2026-12-07_s74_tile_run_1m.json",
+     "STACKS=csa BATCHES=8 CONTEXTS=1048576 QUERY_CONTEXTS=1 bash bench/gpu.sh paged",
+     H100 + "; QUERY_CONTEXTS=1 added a cell at context 1 (the S = 4 cells)",
+     "102ccc8 + the CUDA selection's key-run reads", paged),
+    ("Paged against contiguous with XLA's deterministic flags: the same bits after every step",
+     "h100_paged_2026-12-07_s74_deterministic_128k.json",
+     'XLA_FLAGS="--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0" STACKS=csa,hca BATCHES=8 '
+     "CONTEXTS=131072 QUERY_CONTEXTS=131072 bash bench/gpu.sh paged",
+     H100 + "; no autotuning (the default runs' max diffs come from GEMMs autotuned apart in the two "
+     "programs), so not a timing to compare with the other sections",
+     "102ccc8 + the CUDA selection's key-run reads", paged),
     ("Ragged batches (CPU, small size, float32; a CI run shared the cores)",
      "cpu_small_ragged.json",
      "python bench/ragged.py --size small",

@@ -89,6 +89,8 @@ struct ContiguousRows {
   static constexpr bool kMayMiss = false;
   int64_t slots = 0;
   DSV4_HOST_DEVICE int64_t operator()(int64_t b, int64_t t) const { return b * slots + t; }
+  // The row of key t0 where keys t0 .. t0 + n - 1 are consecutive rows, else -1: always here.
+  DSV4_HOST_DEVICE int64_t Run(int64_t b, int64_t t0, int64_t /*n*/) const { return b * slots + t0; }
 };
 
 // ...or a paged pool [pages * E, .] at table[b, t / E] * E + t % E; -1 where the row holds no
@@ -102,6 +104,15 @@ struct PagedRows {
   DSV4_HOST_DEVICE int64_t operator()(int64_t b, int64_t t) const {
     const int64_t page = table[b * pages_per_row + t / entries];
     return page < 0 || page >= pages ? -1 : page * entries + t % entries;
+  }
+  // One table lookup for a run of n keys on one page that the row holds (a kernel's tile of
+  // keys, page-aligned where E is a multiple of the tile): the row of key t0, else -1 (the run
+  // crosses a page boundary or its page is missing: read key by key).
+  DSV4_HOST_DEVICE int64_t Run(int64_t b, int64_t t0, int64_t n) const {
+    const int64_t within = t0 % entries;
+    if (within + n > entries) return -1;
+    const int64_t page = table[b * pages_per_row + t0 / entries];
+    return page < 0 || page >= pages ? -1 : page * entries + within;
   }
 };
 

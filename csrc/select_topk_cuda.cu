@@ -101,6 +101,7 @@ struct DenseKeys {
   Rows rows;
   int dim;
   __device__ __forceinline__ int64_t Row(int64_t b, int64_t t) const { return rows(b, t); }
+  __device__ __forceinline__ int64_t Run(int64_t b, int64_t t0, int64_t n) const { return rows.Run(b, t0, n); }
   __device__ __forceinline__ float At(int64_t key, int i) const { return ToF32(keys[key * dim + i]); }
   __device__ __forceinline__ void Load8(int64_t key, int i0, float* out) const {
     dsv4::Load8(keys + key * dim + i0, out);
@@ -115,6 +116,7 @@ struct Fp4Keys {
   Rows rows;
   int dim;
   __device__ __forceinline__ int64_t Row(int64_t b, int64_t t) const { return rows(b, t); }
+  __device__ __forceinline__ int64_t Run(int64_t b, int64_t t0, int64_t n) const { return rows.Run(b, t0, n); }
   __device__ __forceinline__ float Scale(int64_t key, int i) const {
     return __uint_as_float(Fp4ScaleBits(scales[key * ((dim + kFp4Block - 1) / kFp4Block) + i / kFp4Block]));
   }
@@ -304,12 +306,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     if constexpr (!kFp4) {
       const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
       __nv_bfloat16* dst = k_s + (i & 1) * kMmaEntries * ld;
+      // The tile's rows from one address where they are consecutive (contiguous keys; a paged
+      // pool's tile on one page: one table lookup a tile, not one a 16-byte load), else each key
+      // row's address on its own; a row past `slots` or on a missing page is zero-filled.
+      const int64_t run = keys.Run(b, t0, kMmaEntries);
       for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
         const int e = v / chunks, c = v % chunks;
-        // Each key row's address on its own (a tile may cross a page boundary); a row past `slots`
-        // or on a missing page is zero-filled.
         const bool inside = t0 + e < slots;
-        const int64_t key = inside ? keys.Row(b, t0 + e) : 0;
+        const int64_t key = !inside ? 0 : run >= 0 ? run + e : keys.Row(b, t0 + e);
         const bool valid = inside && (!Keys::kMayMiss || key >= 0);
         CpAsync16(dst + e * ld + 8 * c, keys.keys + (valid ? key : 0) * dim + 8 * c, valid);
       }
@@ -321,11 +325,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int scale_stride = (dim + kFp4Block - 1) / kFp4Block;
   uint2 fp4_codes[kLoads > 0 ? kLoads : 1];
   uint32_t fp4_scales[kLoads > 0 ? kLoads : 1];
-  auto fp4_load = [&](int64_t t0, int v, uint2* codes, uint32_t* scale) {  // load v of a tile from t0
-    if constexpr (kFp4) {
+  auto fp4_load = [&](int64_t t0, int64_t run, int v, uint2* codes, uint32_t* scale) {  // load v of a tile
+    if constexpr (kFp4) {  // from t0 (run: keys.Run of the tile, as in load_tile)
       const int e = v / units, u = v % units;
       const bool inside = v < kMmaEntries * units && t0 + e < slots;
-      const int64_t key = inside ? keys.Row(b, t0 + e) : 0;
+      const int64_t key = !inside ? 0 : run >= 0 ? run + e : keys.Row(b, t0 + e);
       const bool valid = inside && (!Keys::kMayMiss || key >= 0);
       *codes = valid ? *reinterpret_cast<const uint2*>(keys.codes + key * (dim / 2) + 8 * u) : make_uint2(0, 0);
       *scale = valid ? keys.scales[key * scale_stride + (16 * u) / kFp4Block] : 0u;
@@ -334,8 +338,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   auto fetch_fp4 = [&](int i) {  // staged (kLoads > 0): tile i's codes into registers
     if constexpr (kFp4 && kLoads > 0) {
       const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
+      const int64_t run = keys.Run(b, t0, kMmaEntries);
 #pragma unroll
-      for (int j = 0; j < kLoads; ++j) fp4_load(t0, tid + j * kMmaWarps * 32, &fp4_codes[j], &fp4_scales[j]);
+      for (int j = 0; j < kLoads; ++j) fp4_load(t0, run, tid + j * kMmaWarps * 32, &fp4_codes[j], &fp4_scales[j]);
     }
   };
   auto store_fp4 = [&](int i) {  // ... and from there into buffer i & 1; kLoads == 0: straight from memory
@@ -349,10 +354,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         }
       } else {
         const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
+        const int64_t run = keys.Run(b, t0, kMmaEntries);
         for (int v = tid; v < kMmaEntries * units; v += kMmaWarps * 32) {
           uint2 codes;
           uint32_t scale;
-          fp4_load(t0, v, &codes, &scale);
+          fp4_load(t0, run, v, &codes, &scale);
           StoreFp4AsBf16(dst + (v / units) * ld + 16 * (v % units), codes, scale);
         }
       }
