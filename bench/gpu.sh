@@ -50,7 +50,7 @@
 #             PAGED_DEADLINE s (default 400), PAGED_TIMEOUT (default 470) -> $OUT/paged.json, $OUT/paged.log.
 #             PAGED_SCENARIO (default decode: the above) =prefix: a 64k prompt whose first 60k tokens are a
 #             forked prefix, fork + the 4k suffix against the whole prompt's prefill, B = 1, STACKS (csa,hca;
-#             ~1 min a stack), PAGED_ARGS (--prompt-len, --prefix-len, --prefill-chunk, --repeats: default 5);
+#             ~1 min a stack), PAGED_ARGS (--prompt-len, --prefix-len, --prefill-chunk, --pool-rows, --repeats: 5);
 #             =memory: the bytes of ragged rows in pages against contiguous rows (a count, no timing; the
 #             CPU gives the same) -> $OUT/paged_<scenario>.json, .log; no stack or repeat starts past
 #             PAGED_DEADLINE s (default 180), PAGED_TIMEOUT (default 240)

@@ -462,6 +462,12 @@ def put_row(cache, row: int, one):
                         **{p: getattr(rows, p).replace(entries=getattr(one, p).entries) for p in parts})
 
 
+def pool_bytes(caches) -> int:
+    """Bytes of the caches' pools (every layer's compressor and indexer entries)."""
+    return sum(a.nbytes for c in caches for part in ("compressor", "indexer") if getattr(c, part) is not None
+               for a in jax.tree.leaves(getattr(c, part).entries))
+
+
 def _copy(caches):
     """New buffers of every leaf (host mirrors stay NumPy): the steps donate their caches."""
     return jax.block_until_ready(jax.tree.map(lambda a: a.copy() if isinstance(a, np.ndarray) else jnp.copy(a),
@@ -488,7 +494,7 @@ def prefill_calls(stack: stack_mod.Stack, caches, calls: list):
 
 
 def time_prefix(stack: stack_mod.Stack, prompt: int, prefix: int, page_size: int, repeats: int, seed: int,
-                chunk: int | None = None, stop_at: float | None = None) -> dict:
+                chunk: int | None = None, stop_at: float | None = None, pool_rows: int = 2) -> dict:
     """The fields of one prefix record (see `run_prefix`)."""
     if not 0 < prefix < prompt:
         raise ValueError(f"--prefix-len: expected 0 < prefix < prompt ({prompt}), got {prefix}")
@@ -498,8 +504,12 @@ def time_prefix(stack: stack_mod.Stack, prompt: int, prefix: int, page_size: int
     clock = measure.compile_clock()
     clock.start()
     t0 = time.perf_counter()
-    # The prefix: row 0 of a two-row cache, prefilled as a row of its own (untimed).
-    two = dsv4_jax.reserve_pages(stack.empty_caches(2, max_seq_len, page_size), np.array([prefix, 0]))
+    # The prefix: row 0 of a two-row cache (a pool of `pool_rows` rows' pages), prefilled as a row
+    # of its own (untimed).
+    num_pages = pool_rows * -(-max_seq_len // page_size)
+    two = [a.init_cache(2, max_seq_len, allow_long_context=True, kv_cache_dtype=stack.kv_cache_dtype,
+                        page_size=page_size, num_pages=num_pages).replace(layer_idx=-1) for a in stack.layers]
+    two = dsv4_jax.reserve_pages(two, np.array([prefix, 0]))
     _, ones = prefill_calls(stack, [row_of(c, 0) for c in two], prompt_calls(x[:, :prefix], 0, chunk))
     source = jax.block_until_ready([put_row(c, 0, o) for c, o in zip(two, ones)])
     del two, ones
@@ -566,7 +576,8 @@ def time_prefix(stack: stack_mod.Stack, prompt: int, prefix: int, page_size: int
             "full_floor_ms": full_floor["floor_ms"], "suffix_floor_ms": suffix_floor["floor_ms"],
             "floor_ratio": suffix_floor["floor_ms"] / full_floor["floor_ms"],
             "compile_s": compile_s, "first_call_s": first_s, "repeats": len(full_times),
-            "max_seq_len": max_seq_len, "num_pages": int(source[0].pages.num_pages), **stats,
+            "max_seq_len": max_seq_len, "num_pages": num_pages, "pool_rows": pool_rows,
+            "pool_bytes": pool_bytes(source), **stats,
             "chunk": chunk, "full_calls": len(full_calls), "suffix_calls": len(suffix_calls)}
 
 
@@ -584,6 +595,11 @@ def run_prefix(args, write=None) -> tuple[list, dict]:
                          empty row 1 of a two-row cache (prefilled before, untimed), as a user
                          calls it: eager, its host work (the page table) included.
     ``reserve_ms``       `dsv4_jax.reserve_pages` of the suffix's pages for row 1.
+
+    The two-row cache's pool holds ``--pool-rows`` (2) rows of ``max_seq_len`` (``pool_bytes``):
+    `fork_rows` (where it copies a page) and `reserve_pages` (zeroing the pages taken) write the
+    pools eagerly, which copies each whole pool, so their time follows the pool's size, as a
+    server's would: ``--pool-rows 64`` measures a larger one.
     ``suffix_ms``        the step over the P - F suffix tokens on the forked row: row 1 as a cache
                          of one row (`row_of`: its per-row fields, its table row, the shared pools),
                          so that it costs a B = 1 step as the full prefill does.
@@ -607,6 +623,7 @@ def run_prefix(args, write=None) -> tuple[list, dict]:
     meta = {"scenario": "prefix", "size": args.size, "dtype": dtype.name, "argv": sys.argv[1:],
             "n_layers": args.layers_per_stack, "stacks": args.stacks, "page_size": args.page_size,
             "prompt_len": args.prompt_len, "prefix_len": args.prefix_len, "prefill_chunk": args.prefill_chunk,
+            "pool_rows": args.pool_rows,
             "mode": args.mode, "kv_cache_dtype": args.kv_cache_dtype, "numerics": numerics,
             "deadline_s": args.deadline_s, **env}
     stop_at = None if args.deadline_s is None else start + args.deadline_s
@@ -625,7 +642,7 @@ def run_prefix(args, write=None) -> tuple[list, dict]:
                 rec.update({"layer_type": stack.layer_type, "n_layers": len(stack.layers),
                             "layer_indices": stack.indices})
                 rec.update(time_prefix(stack, args.prompt_len, args.prefix_len, args.page_size, args.repeats,
-                                       args.seed, args.prefill_chunk, stop_at))
+                                       args.seed, args.prefill_chunk, stop_at, args.pool_rows))
                 rec["ratio_target"] = PREFIX_TARGET
                 rec["meets_target"] = rec["ratio_to_full"] <= PREFIX_TARGET
                 del stack
@@ -721,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefix: tokens of it already in the prefix row (default 61440; tiny 192)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefix: prefill in calls of this many tokens (default: one call, as bench/stack.py)")
+    ap.add_argument("--pool-rows", type=int, default=2,
+                    help="prefix: the forked cache's pool, in rows of max_seq_len (default 2: its two rows; more: a "
+                         "server's pool, whose size fork_rows' and reserve_pages' eager copies of it follow)")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

@@ -136,7 +136,7 @@ PREFIX_FIELDS = {"fork_ms", "reserve_ms", "suffix_ms", "full_prefill_ms", "full_
 
 def test_a_forked_prefix_and_its_suffix_compute_what_the_whole_prompt_computes():
     records, meta = paged.run(parse("--scenario", "prefix", "--stacks", "csa", "--layers-per-stack", "1",
-                                    "--repeats", "1"))
+                                    "--repeats", "1", "--pool-rows", "3"))
     (r,) = records
     assert r["error"] is None, r["error"]
     assert PREFIX_FIELDS <= set(r) and r["scenario"] == "paged_prefix"
@@ -144,6 +144,7 @@ def test_a_forked_prefix_and_its_suffix_compute_what_the_whole_prompt_computes()
     assert r["max_abs_diff_to_unforked"] == 0.0  # the forked row computes what the prefix row itself does
     assert r["max_rel_diff_to_full"] < 1e-5  # a prompt in two calls against one: the chunking's rounding
     assert (r["shared_pages"], r["suffix_pages"]) == (192 // 16, 256 // 16)  # the prefix's pages are shared
+    assert (r["pool_rows"], r["num_pages"]) == (3, 3 * 256 // 16) and r["pool_bytes"] > 0
     assert r["ratio_to_full"] == (r["fork_ms"] + r["suffix_ms"]) / r["full_prefill_ms"]
     assert r["output_finite"] and min(r["fork_ms"], r["suffix_ms"], r["full_prefill_ms"]) > 0
     assert "| csa | 256 | 192 |" in paged.markdown(records, meta)
