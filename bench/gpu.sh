@@ -47,7 +47,13 @@
 #             QUERY_BATCHES (default 8) x QUERY_CONTEXTS (16384,131072) also 4 a row; STACKS (csa,hca),
 #             BATCHES (1,8,32), CONTEXTS (16384,131072,1048576), PAGED_ARGS (more bench/paged.py arguments;
 #             --paged-kernel: the paged cache also with the decode kernel forced); no cell starts past
-#             PAGED_DEADLINE s (default 400), PAGED_TIMEOUT (default 470) -> $OUT/paged.json, $OUT/paged.log
+#             PAGED_DEADLINE s (default 400), PAGED_TIMEOUT (default 470) -> $OUT/paged.json, $OUT/paged.log.
+#             PAGED_SCENARIO (default decode: the above) =prefix: a 64k prompt whose first 60k tokens are a
+#             forked prefix, fork + the 4k suffix against the whole prompt's prefill, B = 1, STACKS (csa,hca;
+#             ~1 min a stack), PAGED_ARGS (--prompt-len, --prefix-len, --prefill-chunk, --pool-rows, --repeats: 5);
+#             =memory: the bytes of ragged rows in pages against contiguous rows (a count, no timing; the
+#             CPU gives the same) -> $OUT/paged_<scenario>.json, .log; no stack or repeat starts past
+#             PAGED_DEADLINE s (default 180), PAGED_TIMEOUT (default 240)
 #   repro     the same bits in every process? bench/reproducibility.py three times with the defaults,
 #             three times with deterministic=True (REPRO_ARGS), one process after another ->
 #             $OUT/repro_<setting>_<i>.json and the summary $OUT/reproducibility.json
@@ -275,6 +281,7 @@ loops() {
 }
 
 paged() {
+  if [ "${PAGED_SCENARIO:-decode}" != decode ]; then paged_scenario "$PAGED_SCENARIO"; return; fi
   timeout "${PAGED_TIMEOUT:-470}" python3 bench/paged.py --size flash --stacks "${STACKS:-csa,hca}" \
     --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-16384,131072,1048576}" \
     --query-batches "${QUERY_BATCHES:-8}" --query-contexts "${QUERY_CONTEXTS:-16384,131072}" \
@@ -282,6 +289,15 @@ paged() {
   echo "paged rc=$?"
   # the table where the run finished, else the lines it printed as it went
   if grep -q "^| stack" "$OUT/paged.log"; then grep "^|" "$OUT/paged.log"; else grep "^paged\|Error" "$OUT/paged.log" | cut -c1-160 | tail -60; fi
+}
+
+# PAGED_SCENARIO=prefix|memory: bench/paged.py --scenario prefix|memory (the subcommand's comment above)
+paged_scenario() {
+  local name="paged_$1"
+  timeout "${PAGED_TIMEOUT:-240}" python3 bench/paged.py --scenario "$1" --size flash --stacks "${STACKS:-csa,hca}" \
+    --deadline-s "${PAGED_DEADLINE:-180}" --json "$OUT/$name.json" ${PAGED_ARGS:-} >"$OUT/$name.log" 2>&1
+  echo "$name rc=$?"
+  if grep -q "^| " "$OUT/$name.log"; then grep "^|" "$OUT/$name.log"; else grep "^$name\|Error" "$OUT/$name.log" | cut -c1-200 | tail -20; fi
 }
 
 for cmd in "$@"; do
