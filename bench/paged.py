@@ -38,8 +38,9 @@ its cache length), caches and hidden states donated, each step fed the last one'
 as a whole, the median; then ``--steps`` blocking ones). ``ratio_to_contiguous``: per_layer_ms
 over the same cell's contiguous variant of the same S (this process); ``ratio_to_one_query``:
 over the same cache's S = 1 variant; ``max_abs_diff_to_contiguous``: the hidden states after the
-last step against the contiguous variant's (the same computation: 0 expected, the paged cache
-is exact); ``floor_ms`` the bytes floor a layer of S new tokens (`bench/floor.py`).
+last step against the contiguous variant's (the same computation; 0 on the CPU and on a GPU
+with XLA's deterministic flags, else the two programs' GEMMs may be autotuned apart and the fed-back
+steps amplify the last bit); ``floor_ms`` the bytes floor a layer of S new tokens (`bench/floor.py`).
 
 ``--deadline-s``: no new cell starts past this many seconds of the run; the cells left are
 recorded as skipped (a device call has a hard limit: the records so far are written as they come).

@@ -175,6 +175,20 @@ def paged(records: list[dict]) -> Iterator[Row]:
         yield case, figure, f"max diff to contiguous {r['max_abs_diff_to_contiguous']:.1e}"
 
 
+def paged_memory(records: list[dict]) -> Iterator[Row]:
+    """bench/paged.py --scenario memory: the rows of a ragged batch a paged pool holds in a
+    contiguous cache's bytes (issue 67: at least 3x), tokens per GB."""
+    for r in records:
+        if r.get("error"):
+            continue
+        cache = "bf16" if r["kv_cache_dtype"] == "auto" else r["kv_cache_dtype"]
+        yield (f"{r['layers']}, {cache} cache, {r['rows_contiguous']} rows of {_ctx(r['max_seq_len'])} "
+               f"reserved ({r['bytes_contiguous'] / 1e9:.2f} GB)",
+               f"{r['rows_paged']} ragged rows paged, {r['rows_ratio']:.2f}x (at the mean length "
+               f"{r['rows_ratio_expected']:.2f}x)",
+               f"tokens per GB: {r['tokens_per_gb_contiguous']:,.0f} contiguous, {r['tokens_per_gb_paged']:,.0f} paged")
+
+
 # The cited records: (scenario, record under bench/results/, command, machine, commit that added it, extractor).
 SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row]]]] = [
     ("Stacks of 4 layers on the same buffers (decode, prefill), the module call",
@@ -272,6 +286,11 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      H100 + "; no autotuning (the default runs' max diffs come from GEMMs autotuned apart in the two "
      "programs), so not a timing to compare with the other sections",
      "102ccc8 + the CUDA selection's key-run reads", paged),
+    ("Memory: a ragged batch (1k to 1M tokens a row, log-uniform) in a paged pool against rows reserved for 1M",
+     "cpu_paged_memory_2026-12-07.json",
+     "python bench/paged.py --scenario memory --size flash",
+     "CPU (byte counts from the caches' shapes, `jax.eval_shape`: no timing), jax 0.10.2, Python 3.11",
+     "38bbeaf", paged_memory),
     ("Ragged batches (CPU, small size, float32; a CI run shared the cores)",
      "cpu_small_ragged.json",
      "python bench/ragged.py --size small",

@@ -60,8 +60,8 @@ def test_paged_and_contiguous_caches_compute_the_same_hidden_states_and_record_t
     assert records[0]["ratio_to_contiguous"] == 1.0 and one["ratio_to_one_query"] == 1.0
     assert three["ratio_to_one_query"] == three["per_layer_ms"] / one["per_layer_ms"]
     rows = list(results_table.paged(records))
-    assert rows[4][0] == "hca x2, B = 2, 0k, S = 3: paged" and rows[4][1].endswith("x S = 1")
-    assert rows[5][0] == "hca x2, B = 2, 0k, S = 3: paged (decode kernel forced)"
+    assert rows[4][0] == "hca x2, B = 2, 32, S = 3: paged" and rows[4][1].endswith("x S = 1")
+    assert rows[5][0] == "hca x2, B = 2, 32, S = 3: paged (decode kernel forced)"
     assert rows[4][2] == "max diff to contiguous 0.0e+00"
     assert "| hca | 2 | 32 | 3 | paged (kernel) |" in paged.markdown(records, meta)
 
