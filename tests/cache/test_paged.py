@@ -104,15 +104,15 @@ def test_a_paged_cache_gives_the_contiguous_caches_outputs_and_picks_bit_for_bit
 def test_a_paged_cache_agrees_in_every_break_mode_and_for_ragged_rows():
     """The pages are read and written by XLA in every mode but the wide break, which runs them on
     NumPy copies; the XLA and host selections read the keys gathered from the pages, the native
-    handler reads them in the pages. A covering set: XLA's selection ("none"), the native handler
-    ("narrow-device"; "none-native" is its graph target: the next test) and the NumPy pages
-    ("wide"; "narrow-host" selects on the same XLA view): the same picks, the same values
-    (float32 rounding for the host's twin)."""
+    handler reads them in the pages. A covering set: XLA's selection ("none") and the NumPy pages
+    ("wide"; "narrow-host" selects on the same XLA view); the native handler's targets, eager and
+    graph, over paged keys are the next test's and tests/ops/test_indexer_kernel.py's: the same
+    picks, the same values (float32 rounding for the host's twin)."""
     x = _inputs()
     schedule = (30, 3)
     base = helpers.random_layer(CFG, 1, seed=3, **helpers.EXECUTIONS["none"])
     want = _calls(base, base.init_cache(2, MAX_SEQ), x, schedule, ragged=True)
-    for mode in ("none", "narrow-device", "wide"):
+    for mode in ("none", "wide"):
         if not helpers.runnable(mode):
             continue
         attn = helpers.random_layer(CFG, 1, seed=3, **helpers.EXECUTIONS[mode])
