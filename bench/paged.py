@@ -154,6 +154,15 @@ def cells(stacks: list, batches: list, contexts: list, query_batches: list, quer
             for c, b in grid for kind in stacks]
 
 
+def _keep(records: list, rec: dict, line, write, meta: dict) -> None:
+    """A scenario's record kept as it comes: added, its line on stderr, and the records so far
+    written (a device call has a hard limit)."""
+    records.append(rec)
+    print(line(rec), file=sys.stderr, flush=True)
+    if write:
+        write(records, meta)
+
+
 def run(args, write=None) -> tuple[list, dict]:
     """The records and meta of ``--scenario``'s run (`write(records, meta)` after every record)."""
     scenarios = {"decode": run_decode, "memory": run_memory, "prefix": run_prefix}
@@ -234,10 +243,7 @@ def run_decode(args, write=None) -> tuple[list, dict]:
                                                      else None)
                     except Exception as err:
                         rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                records.append(rec)
-                print(_line(rec), file=sys.stderr, flush=True)
-                if write:
-                    write(records, meta)
+                _keep(records, rec, _line, write, meta)
             variants.clear()
     return records, meta
 
@@ -402,10 +408,7 @@ def run_memory(args, write=None) -> tuple[list, dict]:
                                          lengths, dtype, kv, mean))
             except Exception as err:
                 rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-            records.append(rec)
-            print(_memory_line(rec), file=sys.stderr, flush=True)
-            if write:
-                write(records, meta)
+            _keep(records, rec, _memory_line, write, meta)
     return records, meta
 
 
@@ -649,10 +652,7 @@ def run_prefix(args, write=None) -> tuple[list, dict]:
                 del stack
             except Exception as err:
                 rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-        records.append(rec)
-        print(_prefix_line(rec), file=sys.stderr, flush=True)
-        if write:
-            write(records, meta)
+        _keep(records, rec, _prefix_line, write, meta)
     return records, meta
 
 
