@@ -521,7 +521,7 @@ def time_prefix(stack: stack_mod.Stack, prompt: int, prefix: int, page_size: int
     def full():
         caches = jax.block_until_ready(stack.empty_caches(1, max_seq_len, page_size))
         t0 = time.perf_counter()
-        caches = jax.block_until_ready(dsv4_jax.reserve_pages(caches, prompt))
+        caches = jax.block_until_ready(dsv4_jax.reserve_pages(caches, prompt, donate=True))
         t1 = time.perf_counter()
         outs, _ = prefill_calls(stack, caches, full_calls)
         return (t1 - t0, time.perf_counter() - t1), outs
@@ -529,9 +529,9 @@ def time_prefix(stack: stack_mod.Stack, prompt: int, prefix: int, page_size: int
     def forked():
         caches = _copy(source)
         t0 = time.perf_counter()
-        caches = jax.block_until_ready([dsv4_jax.fork_rows(c, 0, 1) for c in caches])
+        caches = jax.block_until_ready([dsv4_jax.fork_rows(c, 0, 1, donate=True) for c in caches])
         t1 = time.perf_counter()
-        caches = jax.block_until_ready(dsv4_jax.reserve_pages(caches, np.array([0, prompt - prefix])))
+        caches = jax.block_until_ready(dsv4_jax.reserve_pages(caches, np.array([0, prompt - prefix]), donate=True))
         t2 = time.perf_counter()
         stats = {"shared_pages": int((np.asarray(caches[0].pages.refs) > 1).sum()),
                  "suffix_pages": int((np.asarray(caches[0].pages.table[1]) >= 0).sum())}
@@ -597,7 +597,9 @@ def run_prefix(args, write=None) -> tuple[list, dict]:
                          `dsv4_jax.reserve_pages` for P tokens (``full_reserve_ms``).
     ``fork_ms``          `dsv4_jax.fork_rows` of every layer's cache, the prefix row 0 into the
                          empty row 1 of a two-row cache (prefilled before, untimed), as a user
-                         calls it: eager, its host work (the page table) included.
+                         calls it: eager, its host work (the page table) included, the pools
+                         written in place (``donate=True``, as a server forks; so does every
+                         `reserve_pages` here).
     ``reserve_ms``       `dsv4_jax.reserve_pages` of the suffix's pages for row 1.
 
     The two-row cache's pool holds ``--pool-rows`` (2) rows of ``max_seq_len`` (``pool_bytes``):

@@ -243,11 +243,11 @@ def shared_table(stack: list) -> PageTable | None:
     return first
 
 
-def reserve_to(caches, totals, what: str = "caches"):
+def reserve_to(caches, totals, what: str = "caches", donate: bool = False):
     """`caches` (one cache or a stack's sequence) with every row holding the pages for
     ``totals[b]`` tokens (capped at ``max_seq_len``): the pages it lacks taken from the pool in
-    order and zeroed. Eager only (host page tables). A pool without enough free pages is a
-    `ValueError` naming the pages needed and free, nothing changed."""
+    order and zeroed (`donate`: in place, `write_pools`). Eager only (host page tables). A pool
+    without enough free pages is a `ValueError` naming the pages needed and free, nothing changed."""
     stack, single = stack_of(caches)
     pages = shared_table(stack)
     if pages is None:
@@ -255,6 +255,9 @@ def reserve_to(caches, totals, what: str = "caches"):
     if is_tracer(pages.table) or is_tracer(totals):
         raise TypeError(f"{what}: pages are taken eagerly, before a jitted step (dsv4_jax.reserve_pages), "
                         "not under jax.jit")
+    for c in stack:
+        if c.pages is not None:
+            _check_live(c, what)
     table, refs = np.asarray(pages.table), np.asarray(pages.refs)
     max_seq_len = max(c.max_seq_len for c in stack if c.pages is not None)
     totals = np.minimum(np.broadcast_to(np.asarray(totals, np.int64), table.shape[:1]), max_seq_len)
@@ -278,19 +281,56 @@ def reserve_to(caches, totals, what: str = "caches"):
         at += missing[b]
     new_refs[taken] = 1
     new_pages = pages.replace(table=new_table, refs=new_refs)
-    out = [c if c.pages is None else _with_pages(c, new_pages, zero=taken) for c in stack]
+    at = jnp.asarray(taken, jnp.int32)
+    out = [c if c.pages is None else write_pools(c.replace(pages=new_pages), _zero_pages, (at,), donate)
+           for c in stack]
     return out[0] if single else type(caches)(out)
 
 
-def _with_pages(cache, pages: PageTable, zero=None):
-    """`cache` holding `pages`, its pools' pages `zero` (indices) set to zero."""
-    def zeroed(state):
-        if state is None or zero is None or len(zero) == 0:
-            return state
-        at = jnp.asarray(zero, jnp.int32)
-        return state.replace(entries=jax.tree.map(lambda a: jnp.asarray(a).at[at].set(0), state.entries))
+def _zero_pages(pool, at):
+    return pool.at[at].set(0)
 
-    return cache.replace(pages=pages, compressor=zeroed(cache.compressor), indexer=zeroed(cache.indexer))
+
+def _copy_pages(pool, frm, to):
+    return pool.at[to].set(pool[frm])
+
+
+_POOL_WRITES = {}
+
+
+def pools_consumed(cache) -> bool:
+    """Whether a paged cache's pools were donated to an earlier write (`write_pools` with
+    `donate`, or a step that donates its cache): deleted arrays."""
+    return any(isinstance(a, jax.Array) and not is_tracer(a) and a.is_deleted()
+               for state in (cache.compressor, cache.indexer) if state is not None
+               for a in jax.tree.leaves(state.entries))
+
+
+def _check_live(cache, what: str) -> None:
+    if pools_consumed(cache):
+        raise ValueError(f"{what}: expected a live cache, got one whose pools were donated to an earlier call "
+                         "(donate=True, or a layer with donate_cache=True); pass the cache that call returned")
+
+
+def write_pools(cache, write, indices: tuple, donate: bool = False):
+    """`cache` with ``write(pool, *indices)`` applied to each of its pools (every array of the
+    compressor's and the indexer's paged entries), in one compiled program a pool. A pool is
+    some GB at long contexts: by default the write makes a new pool (the caller's cache stays as
+    it was, the two held at once for the call); `donate` writes the pools in place, as
+    `DeepseekV4Attention(donate_cache=True)` does the step's writes (no copy; the cache passed
+    in is unusable after). A host (NumPy) pool is copied to the device and written there."""
+    def jitted(in_place: bool):
+        if (write, in_place) not in _POOL_WRITES:
+            _POOL_WRITES[write, in_place] = jax.jit(write, donate_argnums=0 if in_place else ())
+        return _POOL_WRITES[write, in_place]
+
+    def written(state):
+        if state is None:
+            return None
+        return state.replace(entries=jax.tree.map(
+            lambda a: jitted(donate and isinstance(a, jax.Array))(a, *indices), state.entries))
+
+    return cache.replace(compressor=written(cache.compressor), indexer=written(cache.indexer))
 
 
 def release(pages: PageTable, rows) -> PageTable:
@@ -361,7 +401,7 @@ def check_pages(pages: PageTable, what: str = "cache.pages") -> None:
         raise ValueError(f"{what}.table: expected distinct pages within a row, got a page twice in rows {dup}")
 
 
-def reserve_pages(caches, new_tokens):
+def reserve_pages(caches, new_tokens, *, donate: bool = False):
     """`caches` (one layer's cache, or a stack's list/tuple of them) with every row holding the
     pages for `new_tokens` (int, or [B]) more tokens than it has (capped at ``max_seq_len``).
 
@@ -369,7 +409,9 @@ def reserve_pages(caches, new_tokens):
     it: a row whose step would run past its pages is left unchanged, its output NaN). The
     layer's eager calls take their pages themselves. Eager only; a pool without enough free
     pages is a `ValueError` naming the pages needed and free, the caches unchanged. Caches of
-    sliding layers (nothing paged) pass through."""
+    sliding layers (nothing paged) pass through. The pages taken are zeroed: in a new pool by
+    default, in place with `donate=True` (no copy of each pool; the caches passed in are
+    unusable after a call that took pages)."""
     stack, _ = stack_of(caches)
     paged_caches = [c for c in stack if c.pages is not None]
     if not paged_caches:
@@ -381,16 +423,18 @@ def reserve_pages(caches, new_tokens):
     if is_tracer(new_tokens) or not np.issubdtype(new.dtype, np.integer) or (new < 0).any():
         raise ValueError(f"new_tokens: expected a non-negative int or ints [B] (eagerly), got {new_tokens!r}")
     length = np.asarray(paged_caches[0].length)
-    return reserve_to(caches, length + new)
+    return reserve_to(caches, length + new, donate=bool(donate))
 
 
-def fork_pages(cache, src: np.ndarray, dst: np.ndarray):
+def fork_pages(cache, src: np.ndarray, dst: np.ndarray, donate: bool = False):
     """The pages of `cache` (eager: host table) with rows `dst` holding what rows `src` hold:
     the source's pages that no later write or rewind can reach shared (those wholly below
     ``length - max_rewind`` tokens; their reference counts go up), the rest of the pages its
     tokens fill copied into pages taken from the pool (in order). A destination's own pages go
     back first. A short pool is a `ValueError` naming the pages needed and free, nothing
-    changed. The per-row fields are `rows.fork_rows`'."""
+    changed. The per-row fields are `rows.fork_rows`'. `donate`: the copies in place
+    (`write_pools`)."""
+    _check_live(cache, "cache")
     pages = cache.pages
     table, refs = np.asarray(pages.table).copy(), np.asarray(pages.refs).copy()
     length = np.asarray(cache.length)
@@ -418,11 +462,4 @@ def fork_pages(cache, src: np.ndarray, dst: np.ndarray):
     if not copies:
         return cache.replace(pages=new_pages)
     frm, to = (jnp.asarray(np.array(c, np.int32)) for c in zip(*copies))
-
-    def copied(state):
-        if state is None:
-            return None
-        return state.replace(entries=jax.tree.map(lambda a: jnp.asarray(a).at[to].set(jnp.asarray(a)[frm]),
-                                                  state.entries))
-
-    return cache.replace(pages=new_pages, compressor=copied(cache.compressor), indexer=copied(cache.indexer))
+    return write_pools(cache.replace(pages=new_pages), _copy_pages, (frm, to), donate)

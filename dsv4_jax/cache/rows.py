@@ -176,7 +176,7 @@ def _ratio(cache: AttentionCache) -> int:
 
 
 # ---------------------------------------------------------------------------- fork
-def fork_rows(cache: AttentionCache, src, dst) -> AttentionCache:
+def fork_rows(cache: AttentionCache, src, dst, *, donate: bool = False) -> AttentionCache:
     """The cache with rows `dst` continuing from rows `src` as they stand: every field of row
     ``src[i]`` (length, window ring, compressors' entries and rings, rewind history and count)
     copied into row ``dst[i]``; the other rows untouched.
@@ -188,7 +188,8 @@ def fork_rows(cache: AttentionCache, src, dst) -> AttentionCache:
     ``length - max_rewind`` tokens: reference counts) and copies the rest into pages taken from
     the pool (a short pool: `ValueError` naming the pages needed and free); eager only, since
     it takes pages. Fork a stack's caches one by one with the same rows: each makes the same
-    choices, so their tables stay one.
+    choices, so their tables stay one. The copied pages are written into a new pool by default,
+    in place with `donate=True` (no copy of the pool; the cache passed in is unusable after).
 
     src, dst: row indices (ints or int sequences, negative counted from the end); one `src`
     for every `dst`, or one each. Eagerly, refused with the cache unchanged: indices out of
@@ -208,7 +209,7 @@ def fork_rows(cache: AttentionCache, src, dst) -> AttentionCache:
     if cache.pages is not None:
         if traced or is_tracer(cache.pages.table):
             raise TypeError("cache: forking a paged cache takes pages, which is done eagerly (not under jax.jit)")
-        cache = paged.fork_pages(cache, src_idx, dst_idx)
+        cache = paged.fork_pages(cache, src_idx, dst_idx, donate=bool(donate))
     # The per-row fields; a paged cache's pools and table were forked by `paged.fork_pages`.
     new = paged.map_rows(lambda rows: _fork(rows, jnp.asarray(src_idx), jnp.asarray(dst_idx)),
                          cache.replace(**_device_mirrors(cache)))

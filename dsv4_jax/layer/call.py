@@ -104,16 +104,17 @@ def _with(cache: AttentionCache, layer_idx: int, length, rewindable=None) -> Att
 _CHECKED_TABLES: dict[int, weakref.ref] = {}
 
 
-def _with_pages_for(cache: AttentionCache, after: list) -> AttentionCache:
+def _with_pages_for(cache: AttentionCache, after: list, donate: bool = False) -> AttentionCache:
     """A paged cache holding the pages for `after` tokens a row (`paged.reserve_to`: a
     `ValueError` naming the pages needed and free if the pool is short; the caller's cache
     unchanged), its host page table checked first (`paged.check_pages`) unless this module
-    made it or checked it before."""
+    made it or checked it before. `donate` (a layer that donates its cache to the step): the
+    pages taken are zeroed in place, not in a copy of each pool."""
     table = cache.pages.table
     if isinstance(table, np.ndarray) and not _checked(table):
         paged.check_pages(cache.pages)
         _remember_checked(table)
-    reserved = paged.reserve_to(cache, after)
+    reserved = paged.reserve_to(cache, after, donate=donate)
     if reserved.pages.table is not table and isinstance(reserved.pages.table, np.ndarray):
         _remember_checked(reserved.pages.table)  # made by `reserve_to` from a checked one
     return reserved
@@ -277,7 +278,7 @@ def _run(layer, memo, run, hidden_states, positions, cache: AttentionCache, retu
     finite check's error, the results dropped, if the verdict says so."""
     spec, step = run
     if cache.pages is not None:  # a paged cache: the pages this call's tokens need, taken now
-        cache = _with_pages_for(cache, after)
+        cache = _with_pages_for(cache, after, layer.donate_cache)
     # The layer index is checked and is no part of the computation: leave it out of the
     # compiled step's identity, so that layers of one type share one program.
     # The step gets the device copy of the host length mirror where this layer made one

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.backend import is_tracer
+from dsv4_jax.cache import paged
 from dsv4_jax.cache.contiguous import AttentionCache, advance_length, init_attention_cache, next_positions
 from dsv4_jax.cache.quantized import check_cache_numerics, is_quantized
 from dsv4_jax.config import CSA, HCA
@@ -222,16 +223,18 @@ def _deleted(value: Any) -> bool:
 
 def donated(cache: AttentionCache) -> bool:
     """Whether the cache's arrays were consumed (donated to an earlier call): its window tells
-    (a donation deletes every array of the cache together)."""
+    (a step's donation deletes every array of the cache together), and a paged cache's pools
+    (`fork_rows` / `reserve_pages` with ``donate=True`` consume the pools alone)."""
     window = cache.window
-    return _deleted(getattr(window, "values", window))
+    return _deleted(getattr(window, "values", window)) or (cache.pages is not None and paged.pools_consumed(cache))
 
 
 def reject_donated() -> None:
     raise ValueError(
         "cache: expected a live cache, got one whose arrays were donated to an earlier call (a layer with "
-        "donate_cache=True consumes the cache passed in, even the call's own, so that XLA updates it in place); "
-        "pass the cache that call returned, or set donate_cache=False to keep the caller's cache")
+        "donate_cache=True consumes the cache passed in, even the call's own, so that XLA updates it in place; "
+        "fork_rows and reserve_pages with donate=True consume a paged cache's pools); pass the cache that call "
+        "returned, or set donate_cache=False to keep the caller's cache")
 
 
 def check_hidden_states(attn, hidden_states: Any) -> tuple:

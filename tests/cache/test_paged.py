@@ -408,6 +408,52 @@ def test_forking_into_a_short_pool_is_refused_and_changes_nothing():
         jax.jit(lambda c: dsv4_jax.fork_rows(c, 0, 2))(cache)
 
 
+def _device_copy(cache):
+    """`cache` with its own device buffers (host mirrors kept): something to donate."""
+    return jax.tree.map(lambda a: jnp.copy(a) if isinstance(a, jax.Array) else a, cache)
+
+
+def _pools(cache):
+    return [cache.compressor.entries, cache.indexer.entries]
+
+
+def test_donating_writes_the_pools_in_place_and_a_refusal_keeps_the_cache():
+    """`fork_rows(..., donate=True)`, `reserve_pages(..., donate=True)` and the call of a layer
+    made with ``donate_cache=True`` write the pages they copy or take into the pools in place:
+    the pools passed in are consumed (no copy of each pool beside them), the results are the
+    copying writes' bit for bit; a refused fork (a short pool) consumes nothing."""
+    x = _inputs(batch=3, tokens=56)
+    attn = helpers.random_layer(CFG, 1, seed=3)
+    rows = np.where(np.arange(40)[None] < np.array([[40], [0], [0]]), np.arange(40), -1).astype(np.int32)
+    _, cache = attn(jnp.asarray(x[:, :40]), jnp.asarray(rows), attn.init_cache(3, MAX_SEQ, page_size=PAGE,
+                                                                                num_pages=4))
+    donor = _device_copy(cache)
+    want = dsv4_jax.fork_rows(cache, 0, 1)  # 2 pages shared, the partial one copied: 0 free
+    got = dsv4_jax.fork_rows(donor, 0, 1, donate=True)
+    assert all(pool.is_deleted() for pool in _pools(donor)) and not any(p.is_deleted() for p in _pools(cache))
+    helpers.assert_trees_close(got, want, "donated fork", rtol=0, atol=0)
+    for use in (lambda c: dsv4_jax.reserve_pages(c, 1), lambda c: dsv4_jax.fork_rows(c, 0, 2),
+                lambda c: attn(jnp.asarray(x[:, 40:41]), None, c)):  # the consumed cache, named
+        with pytest.raises(ValueError, match="expected a live cache, got one whose .* donated to an earlier call"):
+            use(donor)
+    with pytest.raises(ValueError, match="pages: expected a pool with 1 free pages"):
+        dsv4_jax.fork_rows(got, 0, 2, donate=True)
+    assert not any(pool.is_deleted() for pool in _pools(got))
+
+    # Two rows of 40 tokens (3 pages each), then 9 more: each row takes its fourth page.
+    _, first = attn(jnp.asarray(x[:2, :40]), None, attn.init_cache(2, MAX_SEQ, page_size=PAGE, num_pages=8))
+    donor = _device_copy(first)
+    reserved = dsv4_jax.reserve_pages(donor, 9, donate=True)
+    assert all(pool.is_deleted() for pool in _pools(donor)) and reserved.pages.free == 0
+    helpers.assert_trees_close(reserved, dsv4_jax.reserve_pages(first, 9), "donated reserve", rtol=0, atol=0)
+    step = jnp.asarray(x[:2, 40:49])
+    want_out, want_cache = attn(step, None, _device_copy(first))
+    got_out, got_cache = helpers.random_layer(CFG, 1, seed=3, donate_cache=True)(step, None, first)
+    assert all(pool.is_deleted() for pool in _pools(first))
+    np.testing.assert_array_equal(np.asarray(got_out), np.asarray(want_out))
+    helpers.assert_trees_close(got_cache, want_cache, "the donating layer's cache", rtol=0, atol=0)
+
+
 def test_gradients_through_a_paged_cache_equal_the_contiguous_caches():
     """jax.grad of a prefill chunk on a cache holding a prompt in scattered pages, w.r.t. the
     weights and the input: the same through the pages (their gathers and scatters) as through the
