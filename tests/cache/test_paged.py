@@ -434,7 +434,7 @@ def test_donating_writes_the_pools_in_place_and_a_refusal_keeps_the_cache():
     helpers.assert_trees_close(got, want, "donated fork", rtol=0, atol=0)
     for use in (lambda c: dsv4_jax.reserve_pages(c, 1), lambda c: dsv4_jax.fork_rows(c, 0, 2),
                 lambda c: attn(jnp.asarray(x[:, 40:41]), None, c)):  # the consumed cache, named
-        with pytest.raises(ValueError, match="expected a live cache, got one whose .* donated to an earlier call"):
+        with pytest.raises(ValueError, match=r"expected a live cache, got one whose .* donated to an earlier call"):
             use(donor)
     with pytest.raises(ValueError, match="pages: expected a pool with 1 free pages"):
         dsv4_jax.fork_rows(got, 0, 2, donate=True)
