@@ -42,6 +42,7 @@ share one block table. Each layer has its own pool (its rows' widths differ).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -295,7 +296,10 @@ def _copy_pages(pool, frm, to):
     return pool.at[to].set(pool[frm])
 
 
-_POOL_WRITES = {}
+@functools.cache
+def _pool_write(write, in_place: bool):
+    """`write` compiled (one program a pool's shape), its pool donated where `in_place`."""
+    return jax.jit(write, donate_argnums=0 if in_place else ())
 
 
 def pools_consumed(cache) -> bool:
@@ -319,16 +323,11 @@ def write_pools(cache, write, indices: tuple, donate: bool = False):
     it was, the two held at once for the call); `donate` writes the pools in place, as
     `DeepseekV4Attention(donate_cache=True)` does the step's writes (no copy; the cache passed
     in is unusable after). A host (NumPy) pool is copied to the device and written there."""
-    def jitted(in_place: bool):
-        if (write, in_place) not in _POOL_WRITES:
-            _POOL_WRITES[write, in_place] = jax.jit(write, donate_argnums=0 if in_place else ())
-        return _POOL_WRITES[write, in_place]
-
     def written(state):
         if state is None:
             return None
         return state.replace(entries=jax.tree.map(
-            lambda a: jitted(donate and isinstance(a, jax.Array))(a, *indices), state.entries))
+            lambda a: _pool_write(write, donate and isinstance(a, jax.Array))(a, *indices), state.entries))
 
     return cache.replace(compressor=written(cache.compressor), indexer=written(cache.indexer))
 
