@@ -565,8 +565,8 @@ def test_a_stack_forks_in_one_call_as_its_layers_one_by_one(kv, paging):
 
 def test_a_refused_stack_fork_leaves_every_cache_usable():
     """A refused fork of a stack (`donate=True`) consumes nothing and changes nothing: a short
-    pool, a `dst` holding tokens, tables that differ, caches at other lengths; the stack then
-    forks."""
+    pool, a `dst` holding tokens, tables that differ, caches at other lengths, a cache twice,
+    caches of other batch sizes; the stack then forks."""
     stack = [_device_copy(c) for c in _filled_stack(paging=dict(page_size=PAGE, num_pages=4))]
     before = [jax.tree.map(np.array, c) for c in stack]  # copies: a NumPy view of a CPU buffer blocks its donation
     apart = dsv4_jax.reserve_pages(stack[2], np.array([0, 0, 1]))  # its table alone takes the free page
@@ -576,7 +576,10 @@ def test_a_refused_stack_fork_leaves_every_cache_usable():
             (short, 0, 2, r"pages: expected a pool with 1 free pages of 16 tokens to fork row 0 into row 2"),
             (stack, 1, 0, r"dst: expected empty rows to fork into, got row\(s\) \[0\] holding \[40\] tokens"),
             ([stack[0], stack[1], apart], 0, 1, "caches: expected the paged caches of one stack to hold one page"),
-            ([stack[0], stack[1], late], 0, 1, r"caches: expected the paged caches of one stack at the same lengths")):
+            ([stack[0], stack[1], late], 0, 1, r"caches: expected the paged caches of one stack at the same lengths"),
+            ([stack[1], stack[1]], 0, 1, "caches: expected each layer's cache once in the stack"),
+            ([stack[1], helpers.random_layer(CFG, 1, seed=3).init_cache(2, MAX_SEQ)], 0, 1,
+             r"caches: expected the caches of one stack to hold the same rows \(batch size 3\), got cache 1 of")):
         with pytest.raises(ValueError, match=match):
             dsv4_jax.fork_rows(caches, src, dst, donate=True)
         assert not any(a.is_deleted() for c in caches for a in jax.tree.leaves(c) if isinstance(a, jax.Array))
