@@ -284,7 +284,7 @@ def reserve_to(caches, totals, what: str = "caches", donate: bool = False):
     new_refs[taken] = 1
     new_pages = pages.replace(table=new_table, refs=new_refs)
     out = write_stack_pools([c if c.pages is None else c.replace(pages=new_pages) for c in stack], _zero_pages,
-                            (jnp.asarray(taken, jnp.int32),), donate)
+                            (taken.astype(np.int32),), donate)
     return out[0] if single else type(caches)(out)
 
 
@@ -521,5 +521,5 @@ def fork_pages(caches: list, src: np.ndarray, dst: np.ndarray, lengths: list, do
     stack = [c if c.pages is None else c.replace(pages=new_pages) for c in caches]
     if not copies:
         return stack
-    frm, to = (jnp.asarray(np.array(c, np.int32)) for c in zip(*copies))
+    frm, to = (np.array(c, np.int32) for c in zip(*copies))  # NumPy: the program's own transfer
     return write_stack_pools(stack, _copy_pages, (frm, to), donate)

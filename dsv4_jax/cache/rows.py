@@ -237,7 +237,9 @@ def fork_rows(cache, src, dst, *, donate: bool = False):
                for c in stack]
     rows = [c.replace(**{name: None if name in kept else jnp.asarray(m, jnp.int32) for name in HOST_MIRRORS
                          if (m := getattr(c, name)) is not None}) for c, kept in zip(stack, mirrors)]
-    new = paged.map_stack_rows(lambda per_row: _fork(per_row, jnp.asarray(src_idx), jnp.asarray(dst_idx)), rows)
+    # Host indices go to the program as NumPy (its own transfer: cheaper than jnp.asarray's dispatch).
+    at = (src_idx, dst_idx) if traced else (src_idx.astype(np.int32), dst_idx.astype(np.int32))
+    new = paged.map_stack_rows(lambda per_row: _fork(per_row, *at), rows)
 
     def copied(mirror):
         mirror = mirror.copy()
