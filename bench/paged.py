@@ -529,7 +529,7 @@ def time_prefix(stack: stack_mod.Stack, prompt: int, prefix: int, page_size: int
     def forked():
         caches = _copy(source)
         t0 = time.perf_counter()
-        caches = jax.block_until_ready([dsv4_jax.fork_rows(c, 0, 1, donate=True) for c in caches])
+        caches = jax.block_until_ready(dsv4_jax.fork_rows(caches, 0, 1, donate=True))  # the stack, one call
         t1 = time.perf_counter()
         caches = jax.block_until_ready(dsv4_jax.reserve_pages(caches, np.array([0, prompt - prefix]), donate=True))
         t2 = time.perf_counter()
@@ -595,17 +595,20 @@ def run_prefix(args, write=None) -> tuple[list, dict]:
                          one row (one call, as `bench/stack.py`'s prefill; ``--prefill-chunk``:
                          calls of that many tokens, the caches donated from call to call), after
                          `dsv4_jax.reserve_pages` for P tokens (``full_reserve_ms``).
-    ``fork_ms``          `dsv4_jax.fork_rows` of every layer's cache, the prefix row 0 into the
-                         empty row 1 of a two-row cache (prefilled before, untimed), as a user
-                         calls it: eager, its host work (the page table) included, the pools
-                         written in place (``donate=True``, as a server forks; so does every
-                         `reserve_pages` here).
-    ``reserve_ms``       `dsv4_jax.reserve_pages` of the suffix's pages for row 1.
+    ``fork_ms``          `dsv4_jax.fork_rows` of the stack's list of caches in one call, the
+                         prefix row 0 into the empty row 1 of a two-row cache (prefilled before,
+                         untimed), as a server calls it: eager, its host work (one page decision
+                         for the stack's table) included, every layer's copied pages in one
+                         compiled program and the per-row fields in one more, the pools written
+                         in place (``donate=True``, as a server forks; so does every
+                         `reserve_pages` here). ``fork_ms_per_layer`` is that call's time / N.
+    ``reserve_ms``       `dsv4_jax.reserve_pages` of the suffix's pages for row 1, the stack's
+                         list in one call (every layer's zeroing in one program).
 
     The two-row cache's pool holds ``--pool-rows`` (2) rows of ``max_seq_len`` (``pool_bytes``):
     `fork_rows` (where it copies a page) and `reserve_pages` (zeroing the pages taken) write the
-    pools eagerly, which copies each whole pool, so their time follows the pool's size, as a
-    server's would: ``--pool-rows 64`` measures a larger one.
+    pools eagerly, in place here (``donate=True``; without it each whole pool is copied and their
+    time follows the pool's size): ``--pool-rows 64`` measures a server's larger pool.
     ``suffix_ms``        the step over the P - F suffix tokens on the forked row: row 1 as a cache
                          of one row (`row_of`: its per-row fields, its table row, the shared pools),
                          so that it costs a B = 1 step as the full prefill does.
@@ -743,7 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefix: prefill in calls of this many tokens (default: one call, as bench/stack.py)")
     ap.add_argument("--pool-rows", type=int, default=2,
                     help="prefix: the forked cache's pool, in rows of max_seq_len (default 2: its two rows; more: a "
-                         "server's pool, whose size fork_rows' and reserve_pages' eager copies of it follow)")
+                         "server's pool, which fork_rows and reserve_pages write in place here)")
     ap.add_argument("--render", default=None, metavar="JSON")
     return ap
 

@@ -67,7 +67,7 @@ def serve(cfg=None, seed: int = 0, log=print) -> dict:
     caches = new_caches(layers, 2, 128)
     _, caches = run(layers, caches, jnp.asarray(np.stack([system, np.zeros_like(system)])),
                     np.stack([np.arange(37), np.full(37, -1)]).astype(np.int32))
-    caches = [dsv4_jax.fork_rows(c, 0, 1) for c in caches]
+    caches = dsv4_jax.fork_rows(caches, 0, 1)  # the stack in one call
     pages = caches[1].pages
     shared = int((pages.refs > 1).sum())
     log(f"fork: row 1 starts from row 0's {int(caches[1].length[0])} tokens, {shared} pages shared, "

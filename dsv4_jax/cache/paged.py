@@ -247,8 +247,9 @@ def shared_table(stack: list) -> PageTable | None:
 def reserve_to(caches, totals, what: str = "caches", donate: bool = False):
     """`caches` (one cache or a stack's sequence) with every row holding the pages for
     ``totals[b]`` tokens (capped at ``max_seq_len``): the pages it lacks taken from the pool in
-    order and zeroed (`donate`: in place, `write_pools`). Eager only (host page tables). A pool
-    without enough free pages is a `ValueError` naming the pages needed and free, nothing changed."""
+    order and zeroed, every layer's pools in one compiled program (`write_stack_pools`;
+    `donate`: in place). Eager only (host page tables). A pool without enough free pages is a
+    `ValueError` naming the pages needed and free, nothing changed."""
     stack, single = stack_of(caches)
     pages = shared_table(stack)
     if pages is None:
@@ -282,9 +283,8 @@ def reserve_to(caches, totals, what: str = "caches", donate: bool = False):
         at += missing[b]
     new_refs[taken] = 1
     new_pages = pages.replace(table=new_table, refs=new_refs)
-    at = jnp.asarray(taken, jnp.int32)
-    out = [c if c.pages is None else write_pools(c.replace(pages=new_pages), _zero_pages, (at,), donate)
-           for c in stack]
+    out = write_stack_pools([c if c.pages is None else c.replace(pages=new_pages) for c in stack], _zero_pages,
+                            (taken.astype(np.int32),), donate)
     return out[0] if single else type(caches)(out)
 
 
@@ -332,6 +332,44 @@ def write_pools(cache, write, indices: tuple, donate: bool = False):
     return cache.replace(compressor=written(cache.compressor), indexer=written(cache.indexer))
 
 
+def write_stack_pools(caches: list, write, indices: tuple, donate: bool = False) -> list:
+    """`write_pools` of a stack: the caches (a list) with ``write(pool, *indices)`` applied to
+    every pool of every paged cache (caches without pages pass through), all of them in ONE
+    compiled program (one a stack's pool shapes and `write`; a server's repeated calls compile
+    nothing new), as one dispatch instead of one a pool. `donate`: the device pools written in
+    place (the caches passed in unusable after); a pool given twice to be donated (the same
+    cache twice in the list) is a `ValueError` naming ``caches``, nothing written."""
+    stack = list(caches)
+    at = [i for i, c in enumerate(stack) if c.pages is not None]
+    pools = [{part: getattr(stack[i], part).entries for part in ("compressor", "indexer")
+              if getattr(stack[i], part) is not None} for i in at]
+    leaves, treedef = jax.tree.flatten(pools)
+    if not leaves:
+        return stack
+    in_place = [bool(donate) and isinstance(a, jax.Array) for a in leaves]
+    donated = [a for a, d in zip(leaves, in_place) if d]
+    if len({id(a) for a in donated}) != len(donated):
+        raise ValueError("caches: expected each layer's cache once in the stack, got the same pools twice "
+                         "(with donate=True a pool can be written in place only once)")
+    written, copied = _stack_write(write)(donated, [a for a, d in zip(leaves, in_place) if not d], *indices)
+    written, copied = iter(written), iter(copied)
+    new_pools = jax.tree.unflatten(treedef, [next(written) if d else next(copied) for d in in_place])
+    for i, parts in zip(at, new_pools):
+        stack[i] = stack[i].replace(**{part: getattr(stack[i], part).replace(entries=pool)
+                                       for part, pool in parts.items()})
+    return stack
+
+
+@functools.cache
+def _stack_write(write):
+    """`write` over lists of pools, compiled (one program a list of shapes): the first list
+    donated (written in place), the second copied."""
+    def run(donated: list, kept: list, *indices):
+        return [write(a, *indices) for a in donated], [write(a, *indices) for a in kept]
+
+    return jax.jit(run, donate_argnums=0)
+
+
 def release(pages: PageTable, rows) -> PageTable:
     """`pages` with the rows `rows` (int indices, or a bool mask [B] when traced) holding none:
     their pages' reference counts decremented (a page no row holds is free; its rows are
@@ -357,13 +395,20 @@ def map_rows(fn, cache):
     """``fn`` of the cache's per-row fields: a paged cache's pools and page table (not per row:
     `release`, `fork_pages` change them) are taken out before and put back after, as they
     were; a contiguous cache goes to ``fn`` whole."""
-    if cache.pages is None:
-        return fn(cache)
-    pools = {part: getattr(cache, part).entries for part in ("compressor", "indexer")
-             if getattr(cache, part) is not None}
-    new = fn(cache.replace(pages=None, **{part: getattr(cache, part).replace(entries=None) for part in pools}))
-    return new.replace(pages=cache.pages,
-                       **{part: getattr(new, part).replace(entries=pool) for part, pool in pools.items()})
+    return map_stack_rows(lambda stack: [fn(stack[0])], [cache])[0]
+
+
+def map_stack_rows(fn, caches: list) -> list:
+    """`map_rows` of a stack: ``fn`` of the list of the caches' per-row fields (one call, e.g.
+    one jitted program for every layer), each paged cache's pools and table put back after."""
+    taken = [{part: getattr(c, part).entries for part in ("compressor", "indexer") if getattr(c, part) is not None}
+             if c.pages is not None else None for c in caches]
+    rows = [c if pools is None else c.replace(pages=None, **{part: getattr(c, part).replace(entries=None)
+                                                             for part in pools})
+            for c, pools in zip(caches, taken)]
+    return [new if pools is None else new.replace(
+                pages=c.pages, **{part: getattr(new, part).replace(entries=pool) for part, pool in pools.items()})
+            for c, new, pools in zip(caches, fn(rows), taken)]
 
 
 def row_limit(cache) -> Array | int:
@@ -425,19 +470,34 @@ def reserve_pages(caches, new_tokens, *, donate: bool = False):
     return reserve_to(caches, length + new, donate=bool(donate))
 
 
-def fork_pages(cache, src: np.ndarray, dst: np.ndarray, donate: bool = False):
-    """The pages of `cache` (eager: host table) with rows `dst` holding what rows `src` hold:
+def fork_pages(caches: list, src: np.ndarray, dst: np.ndarray, lengths: list, donate: bool = False,
+               what: str = "caches") -> list:
+    """A stack's caches (a list; those without pages pass through) with rows `dst` holding the
+    pages rows `src` hold, one decision on the host for the shared table (`shared_table`):
     the source's pages that no later write or rewind can reach shared (those wholly below
     ``length - max_rewind`` tokens; their reference counts go up), the rest of the pages its
-    tokens fill copied into pages taken from the pool (in order). A destination's own pages go
-    back first. A short pool is a `ValueError` naming the pages needed and free, nothing
-    changed. The per-row fields are `rows.fork_rows`'. `donate`: the copies in place
-    (`write_pools`)."""
-    _check_live(cache, "cache")
-    pages = cache.pages
+    tokens fill copied into pages taken from the pool (in order), every layer's copies in one
+    compiled program (`write_stack_pools`; `donate`: in place). A destination's own pages go
+    back first. `lengths`: each cache's host length [B] (None where not paged).
+
+    Refused before anything is written (every cache unchanged): tables that differ or paged
+    caches of other lengths or max_rewind (`ValueError` naming ``caches``), a consumed cache
+    (naming `what`), a short pool (`ValueError` naming the pages needed and free). The per-row
+    fields are `rows.fork_rows`'."""
+    pages = shared_table(caches)
+    paged_at = [i for i, c in enumerate(caches) if c.pages is not None]
+    for i in paged_at:
+        _check_live(caches[i], what)
+    first = paged_at[0]
+    for i in paged_at[1:]:
+        if caches[i].max_rewind != caches[first].max_rewind or not np.array_equal(lengths[i], lengths[first]):
+            raise ValueError(f"caches: expected the paged caches of one stack at the same lengths and max_rewind "
+                             f"(they decide which pages a fork shares), got cache {i} at {lengths[i].tolist()} "
+                             f"(max_rewind={caches[i].max_rewind}), cache {first} at {lengths[first].tolist()} "
+                             f"(max_rewind={caches[first].max_rewind})")
     table, refs = np.asarray(pages.table).copy(), np.asarray(pages.refs).copy()
-    length = np.asarray(cache.length)
-    ps, keep = pages.page_size, cache.max_rewind
+    length = lengths[first]
+    ps, keep = pages.page_size, caches[first].max_rewind
     for d in dst:  # a destination starts from nothing
         held = table[d][table[d] >= 0]
         np.subtract.at(refs, held, 1)
@@ -458,7 +518,8 @@ def fork_pages(cache, src: np.ndarray, dst: np.ndarray, donate: bool = False):
         refs[taken] = 1
         copies += list(zip(table[s, shared:filled].tolist(), taken.tolist()))
     new_pages = pages.replace(table=table, refs=refs)
+    stack = [c if c.pages is None else c.replace(pages=new_pages) for c in caches]
     if not copies:
-        return cache.replace(pages=new_pages)
-    frm, to = (jnp.asarray(np.array(c, np.int32)) for c in zip(*copies))
-    return write_pools(cache.replace(pages=new_pages), _copy_pages, (frm, to), donate)
+        return stack
+    frm, to = (np.array(c, np.int32) for c in zip(*copies))  # NumPy: the program's own transfer
+    return write_stack_pools(stack, _copy_pages, (frm, to), donate)

@@ -176,10 +176,17 @@ def _ratio(cache: AttentionCache) -> int:
 
 
 # ---------------------------------------------------------------------------- fork
-def fork_rows(cache: AttentionCache, src, dst, *, donate: bool = False) -> AttentionCache:
+def fork_rows(cache, src, dst, *, donate: bool = False):
     """The cache with rows `dst` continuing from rows `src` as they stand: every field of row
     ``src[i]`` (length, window ring, compressors' entries and rings, rewind history and count)
     copied into row ``dst[i]``; the other rows untouched.
+
+    cache: one layer's `AttentionCache`, or a stack's list/tuple of them (the same rows of every
+           layer; returned as the same kind: list in, list out). A stack forks in one call: one
+           decision on the host for its page table, every layer's copied pages in one compiled
+           program and every layer's per-row fields in one more (a server's fork costs two
+           dispatches, not a few per layer; repeated forks of the same shapes compile nothing
+           new). Sliding layers' caches (nothing paged) and contiguous caches fork their rows.
 
     A forked row then decoded equals the same row computed from scratch with the same tokens,
     bit for bit (tests/cache/test_rewind_fork.py). On a contiguous cache a fork copies the rows
@@ -187,43 +194,76 @@ def fork_rows(cache: AttentionCache, src, dst, *, donate: bool = False) -> Atten
     shares the source's pages that no later write or rewind can touch (those wholly below
     ``length - max_rewind`` tokens: reference counts) and copies the rest into pages taken from
     the pool (a short pool: `ValueError` naming the pages needed and free); eager only, since
-    it takes pages. Fork a stack's caches one by one with the same rows: each makes the same
-    choices, so their tables stay one. The copied pages are written into a new pool by default,
-    in place with `donate=True` (no copy of the pool; the cache passed in is unusable after).
+    it takes pages. A stack's paged caches must hold one page table (`paged.shared_table`) and
+    the same lengths: a `ValueError` naming ``caches`` otherwise. The copied pages are written
+    into a new pool by default, in place with `donate=True` (no copy of the pool; the caches
+    passed in are unusable after).
 
     src, dst: row indices (ints or int sequences, negative counted from the end); one `src`
-    for every `dst`, or one each. Eagerly, refused with the cache unchanged: indices out of
-    range (`ValueError` naming ``src`` / ``dst``), a `dst` row twice, and a `dst` row that holds
-    tokens (`ValueError` naming ``dst``: `reset_rows` it first). Jittable: under `jax.jit`
+    for every `dst`, or one each. Eagerly, refused with every cache unchanged (nothing is
+    written before every check has passed): indices out of range (`ValueError` naming ``src`` /
+    ``dst``), a `dst` row twice, and a `dst` row that holds tokens in any cache (`ValueError`
+    naming ``dst``: `reset_rows` it first). Jittable for contiguous caches: under `jax.jit`
     (traced indices) nothing can refuse: a `dst` holding tokens is overwritten, indices out of
     range are ignored.
     """
-    if not isinstance(cache, AttentionCache):
-        raise TypeError(f"cache: expected an AttentionCache, got {type(cache).__name__}")
-    batch = cache.batch_size
+    stack, single = paged.stack_of(cache)
+    for i, c in enumerate(stack):
+        if not isinstance(c, AttentionCache):
+            where = "cache" if single else f"caches[{i}]"
+            raise TypeError(f"{where}: expected an AttentionCache, got {type(c).__name__}")
+    if not stack:
+        return cache
+    batch = stack[0].batch_size
+    other = [i for i, c in enumerate(stack) if c.batch_size != batch]
+    if other:
+        raise ValueError(f"caches: expected the caches of one stack to hold the same rows (batch size {batch}), "
+                         f"got cache {other[0]} of batch size {stack[other[0]].batch_size}")
     traced = is_tracer(src) or is_tracer(dst)
+    lengths = _host_lengths(stack)
     if traced:
         src_idx, dst_idx = _traced_pairs(src, dst, batch)
     else:
-        src_idx, dst_idx = _host_pairs(cache, src, dst, batch)
-    if cache.pages is not None:
-        if traced or is_tracer(cache.pages.table):
-            raise TypeError("cache: forking a paged cache takes pages, which is done eagerly (not under jax.jit)")
-        cache = paged.fork_pages(cache, src_idx, dst_idx, donate=bool(donate))
-    # The per-row fields; a paged cache's pools and table were forked by `paged.fork_pages`.
-    new = paged.map_rows(lambda rows: _fork(rows, jnp.asarray(src_idx), jnp.asarray(dst_idx)),
-                         cache.replace(**_device_mirrors(cache)))
+        src_idx, dst_idx = _host_pairs(lengths, src, dst, batch)
+    if any(c.pages is not None for c in stack):
+        if traced or any(is_tracer(c.pages.table) for c in stack if c.pages is not None):
+            raise TypeError(f"{'cache' if single else 'caches'}: forking a paged cache takes pages, which is done "
+                            "eagerly (not under jax.jit)")
+        stack = paged.fork_pages(stack, src_idx, dst_idx, lengths, donate=bool(donate),
+                                 what="cache" if single else "caches")
+    # The per-row fields of every layer, one program; a paged cache's pools and table were
+    # forked by `paged.fork_pages`. An eager cache's NumPy mirrors are forked on the host.
+    mirrors = [{} if traced else {name: m for name in HOST_MIRRORS if isinstance(m := getattr(c, name), np.ndarray)}
+               for c in stack]
+    rows = [c.replace(**{name: None if name in kept else jnp.asarray(m, jnp.int32) for name in HOST_MIRRORS
+                         if (m := getattr(c, name)) is not None}) for c, kept in zip(stack, mirrors)]
+    # Host indices go to the program as NumPy (its own transfer: cheaper than jnp.asarray's dispatch).
+    at = (src_idx, dst_idx) if traced else (src_idx.astype(np.int32), dst_idx.astype(np.int32))
+    new = paged.map_stack_rows(lambda per_row: _fork(per_row, *at), rows)
 
     def copied(mirror):
         mirror = mirror.copy()
         mirror[dst_idx] = mirror[src_idx]
         return mirror
 
-    return new if traced else new.replace(**_host_mirrors(cache, new, copied))
+    new = [n.replace(**{name: copied(m) for name, m in kept.items()}) for n, kept in zip(new, mirrors)]
+    return new[0] if single else type(cache)(new)
 
 
-def _host_pairs(cache: AttentionCache, src, dst, batch: int):
-    """Concrete src and dst, checked -> int32 index arrays of one length."""
+def _host_lengths(stack: list) -> list:
+    """Each cache's length [B] as a host array (one transfer for the stack's device ones),
+    None where traced."""
+    concrete = [i for i, c in enumerate(stack) if not is_tracer(c.length)]
+    values = jax.device_get([stack[i].length for i in concrete])
+    out = [None] * len(stack)
+    for i, value in zip(concrete, values):
+        out[i] = np.asarray(value)
+    return out
+
+
+def _host_pairs(lengths: list, src, dst, batch: int):
+    """Concrete src and dst, checked against every cache's host `lengths` (None: traced, not
+    checked) -> int32 index arrays of one length."""
     for name, value in (("src", src), ("dst", dst)):
         if np.asarray(value).dtype == bool:
             raise TypeError(f"{name}: expected row indices (ints), got a bool array")
@@ -235,8 +275,9 @@ def _host_pairs(cache: AttentionCache, src, dst, batch: int):
         raise ValueError(f"src: expected one row, or one for each dst row ({len(dst_idx)}), got {len(src_idx)}")
     if len(np.unique(dst_idx)) != len(dst_idx):
         raise ValueError(f"dst: expected each row at most once, got {np.asarray(dst).reshape(-1).tolist()}")
-    length = _host_values(cache.length)
-    if length is not None:
+    for length in lengths:
+        if length is None:
+            continue
         busy = length[dst_idx] > 0
         if busy.any():
             rows = dst_idx[busy]

@@ -475,3 +475,142 @@ def test_gradients_through_a_paged_cache_equal_the_contiguous_caches():
 
         grads[kind] = jax.jit(jax.grad(loss, argnums=(0, 1)))(attn.weights(), jnp.asarray(x[:, 30:30 + tokens]))
     helpers.assert_trees_close(grads["paged"], grads["contiguous"], "gradients", rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- a stack in one call
+def _filled_stack(kv: str = "auto", paging: dict | None = None, prompt: int = 40, seed: int = 0) -> list:
+    """A sliding, a CSA and an HCA layer's caches (3 rows, max_rewind 4; `paging`: paged) with
+    row 0 holding `prompt` tokens of random rows (a fork copies whatever the rows hold: no step
+    needed to fill them; FP8 rows random bytes), rows 1 and 2 empty."""
+    numerics = dict(numerics="official") if kv == "fp8" else {}
+    stack = [helpers.random_layer(CFG, i, seed=3, **numerics).init_cache(3, MAX_SEQ, kv_cache_dtype=kv, max_rewind=4,
+                                                                          **(paging or {})) for i in range(3)]
+    stack = dsv4_jax.reserve_pages(stack, np.array([prompt, 0, 0]))
+    rng = np.random.default_rng(seed)
+
+    def random(a):
+        a = np.asarray(a)
+        if a.dtype.itemsize == 1:  # FP8 codes: any byte but NaN's
+            return jnp.asarray(rng.integers(0, 0x78, a.shape, np.uint8).view(a.dtype))
+        return jnp.asarray(rng.normal(size=a.shape).astype(a.dtype))
+
+    out = []
+    for c in stack:
+        pages, filled = c.pages, jax.tree.map(random, c.replace(pages=None, length=None, rewindable=None))
+        out.append(filled.replace(pages=pages, length=np.array([prompt, 0, 0], np.int32),
+                                  rewindable=np.array([4, 0, 0], np.int32)))
+    return out
+
+
+def _assert_bitwise(got, want, what: str):
+    """The same pytree, every leaf (host mirrors and page tables included) the same bytes."""
+    g_leaves, g_tree = jax.tree.flatten(got)
+    w_leaves, w_tree = jax.tree.flatten(want)
+    assert g_tree == w_tree, what
+    for i, (g, w) in enumerate(zip(g_leaves, w_leaves)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, i)
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8), err_msg=f"{what}: leaf {i}")
+        assert isinstance(jax.tree.leaves(got)[i], np.ndarray) == isinstance(jax.tree.leaves(want)[i], np.ndarray)
+
+
+def _pool_leaves(cache) -> list:
+    """Every array of a cache's pools (CSA: entries and indexer keys; HCA: entries)."""
+    return jax.tree.leaves([part.entries for part in (cache.compressor, cache.indexer) if part is not None])
+
+
+def _compiled():
+    """The cache sizes of the programs a stack's fork and reserve run."""
+    from dsv4_jax.cache import rows
+
+    return (paged._stack_write(paged._copy_pages)._cache_size(), paged._stack_write(paged._zero_pages)._cache_size(),
+            rows._fork._cache_size())
+
+
+STACK_PAGING = dict(page_size=PAGE, num_pages=7)
+
+
+@pytest.mark.parametrize("kv, paging", [("auto", STACK_PAGING), ("fp8", STACK_PAGING), ("auto", None)],
+                         ids=["paged", "paged-fp8", "contiguous"])
+def test_a_stack_forks_in_one_call_as_its_layers_one_by_one(kv, paging):
+    """`fork_rows` of a stack's list (sliding, CSA, HCA) equals forking each layer's cache with
+    the same rows, bit for bit (bf16-style and FP8 rows, paged and contiguous); `donate=True`
+    consumes every pool of the list; the list's kind comes back; a second fork of the same
+    shapes compiles nothing. The paged stack then decoded equals the per-layer-forked stack
+    decoded (40 tokens, 4 kept for rewind: pages 0-1 shared, page 2 copied)."""
+    stack = _filled_stack(kv, paging)
+    want = [dsv4_jax.fork_rows(c, 0, 1) for c in stack]
+    donor = [_device_copy(c) for c in stack]
+    got = dsv4_jax.fork_rows(donor, 0, 1, donate=True)
+    assert isinstance(got, list)
+    _assert_bitwise(got, want, "a stack's fork")
+    if paging:
+        assert all(pool.is_deleted() for c in donor[1:] for pool in _pool_leaves(c))
+        assert got[1].pages is got[2].pages and got[1].pages.free == 7 - 4
+        assert np.asarray(got[1].pages.refs)[np.asarray(got[1].pages.table)[0, :2]].tolist() == [2, 2]
+    again = tuple(_device_copy(c) for c in got)
+    before = _compiled()
+    twice = dsv4_jax.fork_rows(again, 0, 2, donate=True)  # the same shapes (one page copied): nothing compiles
+    assert _compiled() == before and isinstance(twice, tuple)
+    _assert_bitwise(list(twice), [dsv4_jax.fork_rows(c, 0, 2) for c in want], "a second fork")
+    if kv == "auto" and paging:
+        layers = [helpers.random_layer(CFG, i, seed=3) for i in range(3)]
+        x = jnp.asarray(_inputs(batch=3, tokens=1, seed=9))
+        for i, attn in enumerate(layers):
+            out_got, got_i = attn(x, None, got[i])
+            out_want, want_i = attn(x, None, want[i])
+            np.testing.assert_array_equal(np.asarray(out_got), np.asarray(out_want), err_msg=f"layer {i}")
+            _assert_bitwise(got_i, want_i, f"layer {i} decoded")
+
+
+def test_a_refused_stack_fork_leaves_every_cache_usable():
+    """A refused fork of a stack (`donate=True`) consumes nothing and changes nothing: a short
+    pool, a `dst` holding tokens, tables that differ, caches at other lengths, a cache twice,
+    caches of other batch sizes; the stack then forks."""
+    stack = [_device_copy(c) for c in _filled_stack(paging=dict(page_size=PAGE, num_pages=4))]
+    before = [jax.tree.map(np.array, c) for c in stack]  # copies: a NumPy view of a CPU buffer blocks its donation
+    apart = dsv4_jax.reserve_pages(stack[2], np.array([0, 0, 1]))  # its table alone takes the free page
+    late = stack[2].replace(length=np.array([41, 0, 0], np.int32))
+    short = dsv4_jax.fork_rows(stack, 0, 1)  # 2 pages shared, 1 copied: 0 free
+    for caches, src, dst, match in (
+            (short, 0, 2, r"pages: expected a pool with 1 free pages of 16 tokens to fork row 0 into row 2"),
+            (stack, 1, 0, r"dst: expected empty rows to fork into, got row\(s\) \[0\] holding \[40\] tokens"),
+            ([stack[0], stack[1], apart], 0, 1, "caches: expected the paged caches of one stack to hold one page"),
+            ([stack[0], stack[1], late], 0, 1, r"caches: expected the paged caches of one stack at the same lengths"),
+            ([stack[1], stack[1]], 0, 1, "caches: expected each layer's cache once in the stack"),
+            ([stack[1], helpers.random_layer(CFG, 1, seed=3).init_cache(2, MAX_SEQ)], 0, 1,
+             r"caches: expected the caches of one stack to hold the same rows \(batch size 3\), got cache 1 of")):
+        with pytest.raises(ValueError, match=match):
+            dsv4_jax.fork_rows(caches, src, dst, donate=True)
+        assert not any(a.is_deleted() for c in caches for a in jax.tree.leaves(c) if isinstance(a, jax.Array))
+    for c, was in zip(stack, before):
+        _assert_bitwise(jax.tree.map(np.asarray, c), was, "after the refusals")
+    forked = dsv4_jax.fork_rows(stack, 0, 1, donate=True)
+    assert forked[1].pages.free == 0 and np.asarray(forked[2].length).tolist() == [40, 40, 0]
+    with pytest.raises(ValueError, match=r"caches: expected a live cache, got one whose .* donated"):
+        dsv4_jax.fork_rows(stack, 0, 2)
+    with pytest.raises(TypeError, match="caches: forking a paged cache takes pages"):
+        jax.jit(lambda c: dsv4_jax.fork_rows(c, 0, 1))(short)
+
+
+def test_a_contiguous_stack_forks_under_jit_as_eagerly():
+    """Traced rows: the list form under `jax.jit` equals the eager one (the host mirrors come
+    back as device values, as a single cache's do)."""
+    stack = _filled_stack()
+    eager = dsv4_jax.fork_rows(stack, [0], [2])
+    jitted = jax.jit(lambda c, s, d: dsv4_jax.fork_rows(c, s, d))(stack, jnp.array([0]), jnp.array([2]))
+    _assert_bitwise(jax.tree.map(np.asarray, jitted), jax.tree.map(np.asarray, eager), "jitted stack fork")
+
+
+def test_a_stacks_reserve_zeroes_every_layers_pages_in_one_program():
+    """`reserve_pages` of a stack equals each layer's own reserve, bit for bit; `donate=True`
+    consumes every pool; a second reserve of the same shapes compiles nothing."""
+    stack = _filled_stack(paging=STACK_PAGING)
+    want = [dsv4_jax.reserve_pages(c, np.array([9, 16, 0])) for c in stack]  # a page each for rows 0 and 1
+    donor = [_device_copy(c) for c in stack]
+    got = dsv4_jax.reserve_pages(donor, np.array([9, 16, 0]), donate=True)
+    _assert_bitwise(got, want, "a stack's reserve")
+    assert all(pool.is_deleted() for c in donor[1:] for pool in _pool_leaves(c))
+    before = _compiled()
+    again = dsv4_jax.reserve_pages(got, np.array([0, 0, 32]), donate=True)  # 2 pages again: nothing compiles
+    assert _compiled() == before and again[1].pages.free == 0
