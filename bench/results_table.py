@@ -189,6 +189,37 @@ def paged_memory(records: list[dict]) -> Iterator[Row]:
                f"tokens per GB: {r['tokens_per_gb_contiguous']:,.0f} contiguous, {r['tokens_per_gb_paged']:,.0f} paged")
 
 
+
+def paged_prefix(records: list[dict]) -> Iterator[Row]:
+    """bench/paged.py --scenario prefix: a forked prefix and its suffix's prefill against the whole
+    prompt's prefill (issue 67: fork + suffix at most 10% of the full prefill)."""
+    for r in records:
+        case = (f"{r['stack']} x{r['n_layers']}, B = {r['batch']}, a {_ctx(r['prompt_len'])} prompt whose first "
+                f"{_ctx(r['prefix_len'])} are forked")
+        if r.get("error"):
+            yield case, "not run", str(r["error"]).split(":")[0]
+            continue
+        yield (case, f"fork {r['fork_ms_per_layer']:.3f} + suffix {r['suffix_ms_per_layer']:.2f} ms a layer against "
+                     f"{r['full_prefill_ms_per_layer']:.1f}: {100 * r['ratio_to_full']:.1f}% (the FLOP floors' "
+                     f"{100 * r['floor_ratio']:.1f}%)",
+               f"max diff to the same suffix on the unforked row {r['max_abs_diff_to_unforked']:.1e}")
+
+
+def select_fp4(records: list[dict]) -> Iterator[Row]:
+    """bench/topk.py --cases select_fp4 --device-time: the selection over MXFP4 indexer keys, kernel
+    time a call: the CUDA selection over the stored codes against the Pallas scoring kernels + top-k
+    (over the keys' bf16 values; the FP4 codes widened to bf16; to e4m3, FP8 dots: issue 69)."""
+    base = {(r["batch"], r["slots"]): r["device_us_per_op"] for r in records
+            if r["case"] == "select_fp4" and r["variant"] == "native-fp4-stored"}
+    for r in records:
+        if r["case"] != "select_fp4" or r["variant"] in ("native-fp4-dequantized", "native-bf16-keys"):
+            continue
+        us, ref = r["device_us_per_op"], base.get((r["batch"], r["slots"]))
+        ratio = f" ({us / ref:.2f}x the CUDA selection over the stored codes)" if ref and r["variant"] != \
+            "native-fp4-stored" else ""
+        yield (f"B = {r['batch']}, T = {_ctx(r['slots'])}: {r['variant']}", f"{us:.1f} us{ratio}",
+               "the same picks" if r["picks_equal"] else f"picks differ in {r['picks_differing']}")
+
 # The cited records: (scenario, record under bench/results/, command, machine, commit that added it, extractor).
 SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row]]]] = [
     ("Stacks of 4 layers on the same buffers (decode, prefill), the module call",
@@ -260,25 +291,19 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      "CONTEXTS=1048576 BATCHES=1,8 bash bench/gpu.sh loops",
      H100 + "; the module calls of CSA B = 8 ran out of the H100's memory (the calls keep two caches)",
      "a385271", loops),
-    ("Paged caches against contiguous ones, S = 4 verification steps against S = 1 (16k, 128k)",
-     "h100_paged_2026-12-07_s74_16k_128k.json",
-     "CONTEXTS=16384,131072 bash bench/gpu.sh paged  (python3 bench/paged.py --size flash --stacks csa,hca "
-     "--batches 1,8,32 --contexts 16384,131072 --query-batches 8 --query-contexts 16384,131072)",
-     H100 + "; max diff: the hidden states after the last of ~40 steps, each fed the last one's output",
-     "0a0297a", paged),
-    ("Paged caches against contiguous ones at 1M tokens (and 128k S = 4 again)",
-     "h100_paged_2026-12-07_s74_1m.json",
-     "CONTEXTS=1048576 BATCHES=1,8 QUERY_CONTEXTS=131072 bash bench/gpu.sh paged",
-     H100, "0a0297a", paged),
-    ("Paged CSA after the selection's one table lookup a tile (128k, B = 8 and 32)",
-     "h100_paged_2026-12-07_s74_tile_run_128k.json",
-     "STACKS=csa BATCHES=8,32 CONTEXTS=131072 QUERY_CONTEXTS=131072 bash bench/gpu.sh paged",
-     H100, "102ccc8 + the CUDA selection's key-run reads", paged),
-    ("Paged CSA after the selection's one table lookup a tile (1M, B = 8)",
-     "h100_paged_2026-12-07_s74_tile_run_1m.json",
-     "STACKS=csa BATCHES=8 CONTEXTS=1048576 QUERY_CONTEXTS=1 bash bench/gpu.sh paged",
-     H100 + "; QUERY_CONTEXTS=1 added a cell at context 1 (the S = 4 cells)",
-     "102ccc8 + the CUDA selection's key-run reads", paged),
+    ("Paged caches against contiguous ones (16k to 1M), S = 4 verification steps against S = 1",
+     "h100_paged_2026-12-07_s75.json",
+     "PAGED_TIMEOUT=480 PAGED_DEADLINE=420 bash bench/gpu.sh paged  (python3 bench/paged.py --size flash "
+     "--stacks csa,hca --batches 1,8,32 --contexts 16384,131072,1048576 --query-batches 8 "
+     "--query-contexts 16384,131072)",
+     H100 + "; max diff: the hidden states after the last of ~40 steps, each fed the last one's output; "
+     "CSA B = 32 at 1M does not fit the H100's memory",
+     "c2b10df", paged),
+    ("A forked prefix: fork + the suffix's prefill against the whole prompt's prefill",
+     "h100_paged_prefix_2026-12-07_s75.json",
+     "PAGED_SCENARIO=prefix bash bench/gpu.sh paged  (python3 bench/paged.py --scenario prefix --size flash "
+     "--stacks csa,hca)",
+     H100, "2ce5089 (a stack forked and reserved in one call each)", paged_prefix),
     ("Paged against contiguous with XLA's deterministic flags: the same bits after every step",
      "h100_paged_2026-12-07_s74_deterministic_128k.json",
      'XLA_FLAGS="--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0" STACKS=csa,hca BATCHES=8 '
@@ -286,6 +311,11 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      H100 + "; no autotuning (the default runs' max diffs come from GEMMs autotuned apart in the two "
      "programs), so not a timing to compare with the other sections",
      "102ccc8 + the CUDA selection's key-run reads", paged),
+    ("The selection over MXFP4 keys: the CUDA selection against the Pallas scoring kernels (bf16, FP4, FP8 dots)",
+     "h100_topk_fp4_2026-12-07_s75.json",
+     'TOPK_ARGS="--cases select,select_fp4" bash bench/gpu.sh topk  (python3 bench/topk.py --device-time '
+     "--repeats 10 --cases select,select_fp4)",
+     H100 + "; V4-Flash's indexer (64 heads of 128, top-2048), decode: one query a row", "c2b10df", select_fp4),
     ("Memory: a ragged batch (1k to 1M tokens a row, log-uniform) in a paged pool against rows reserved for 1M",
      "cpu_paged_memory_2026-12-07.json",
      "python bench/paged.py --scenario memory --size flash",
