@@ -23,20 +23,6 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
         _fast.append("--xla_cpu_use_fusion_emitters=false")
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_fast]).strip()
 
-# What one test process compiles, another often compiles again: the two pytest-xdist workers
-# build the same small layers, and the notebooks, the docs' pages, the demo and the 8-device run
-# are processes of their own. JAX's persistent compilation cache in a folder of this session's
-# (made by the first process, handed to the workers and the jobs through the environment, removed
-# at its end) lets each load what another compiled. A cache folder of the caller's is used as it
-# is; DSV4_TEST_COMPILATION_CACHE=off: none.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("DSV4_TEST_COMPILATION_CACHE") != "off":
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsv4_jax_tests_compiled_")
-    os.environ["DSV4_TEST_COMPILATION_CACHE_OWNER"] = str(os.getpid())
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs are small
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-
 import gc
 
 import jax
@@ -65,13 +51,6 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     JOBS.stop()
-
-
-def pytest_unconfigure(config):
-    if os.environ.get("DSV4_TEST_COMPILATION_CACHE_OWNER") == str(os.getpid()):  # the workers and jobs are done
-        import shutil
-
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):
