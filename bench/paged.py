@@ -42,6 +42,11 @@ last step against the contiguous variant's (the same computation; 0 on the CPU a
 with XLA's deterministic flags, else the two programs' GEMMs may be autotuned apart and the fed-back
 steps amplify the last bit); ``floor_ms`` the bytes floor a layer of S new tokens (`bench/floor.py`).
 
+``--profile DIR``: each variant's steps are also traced with JAX's profiler (traces under DIR) and
+its device time per XLA operation kept in the record's ``profile`` (`bench/kernel_profile.py`:
+the stages' totals ``by_source``, the largest operations ``rows``); the tables then add, per
+cell, the stages where the paged cache's device time differs from the contiguous one's.
+
 ``--deadline-s``: no new cell starts past this many seconds of the run; the cells left are
 recorded as skipped (a device call has a hard limit: the records so far are written as they come).
 """
@@ -115,9 +120,11 @@ def paged_copies(stack: stack_mod.Stack, caches: list, batch: int, max_seq_len: 
 
 
 def time_variant(stack: stack_mod.Stack, caches: list, batch: int, queries: int, context: int, max_seq_len: int,
-                 steps: int, repeats: int, seed: int) -> tuple[dict, np.ndarray]:
+                 steps: int, repeats: int, seed: int, profile_dir: str | None = None) -> tuple[dict, np.ndarray]:
     """One variant's record fields from `caches` (donated), and its hidden states after the last
-    step (host float32)."""
+    step (host float32). `profile_dir`: the timed steps are followed by `steps` traced ones
+    (`profile_steps`: a warm-up step and `steps` traced ones, the record's ``profile``; the
+    hidden states are then those after them)."""
     state = {"h": stack_mod._hidden(stack.cfg, batch, queries, stack.dtype, seed), "caches": caches}
 
     def step():
@@ -133,14 +140,37 @@ def time_variant(stack: stack_mod.Stack, caches: list, batch: int, queries: int,
     first_s = time.perf_counter() - t0
     compile_s = clock.stop()
     timings, (h, _) = stack_mod.timed_steps(step, steps, repeats, len(stack.layers))
+    if profile_dir:
+        del h
+        timings["profile"] = profile_steps(stack, step, state, steps, profile_dir)
+        h = state["h"]
     h_host = np.asarray(h.astype(jnp.float32))
     state.clear()
     del out, h
     return ({**timings, "compile_s": compile_s, "first_call_s": first_s, "max_seq_len": max_seq_len,
-             "steps": steps, "repeats": repeats, "total_steps": WARM + repeats * steps + steps,
+             "steps": steps, "repeats": repeats,
+             "total_steps": WARM + repeats * steps + steps + (steps + 1 if profile_dir else 0),
              "output_finite": bool(np.isfinite(h_host).all()), "output_digest": stack_mod.digest(h_host),
              **stack.floor(batch, context + queries * (WARM + repeats * steps // 2), queries)}, h_host)
 
+
+PROFILE_ROWS = 30  # a profiled variant keeps its largest operations (the stages' totals: all)
+
+
+def profile_steps(stack: stack_mod.Stack, step, state: dict, steps: int, log_dir: str) -> dict:
+    """Device time per XLA operation of `steps` more of the variant's steps (`step` advances
+    `state`), traced into `log_dir`, with each operation's stage from the compiled step's text
+    (`kernel_profile.attach_sources`): ``by_source``, ``rows`` (the largest `PROFILE_ROWS`),
+    ``busy_us_per_step``, ``wall_us_per_step``, ``kernels_per_step``."""
+    from bench import kernel_profile
+
+    summary = kernel_profile.profile(lambda: jax.block_until_ready(step()), steps, log_dir, module_filter="stack_step")
+    compiled = stack.jits["all"].lower(stack.weights, state["caches"], state["h"], specs=stack.specs).compile()
+    kernel_profile.attach_sources(summary, compiled.as_text())
+    keep = ("op", "us_per_step", "kernels_per_step", "source", "hlo")
+    return {"busy_us_per_step": summary["busy_us_per_step"], "wall_us_per_step": summary["wall_us_per_step"],
+            "kernels_per_step": summary["kernels_per_step"], "by_source": summary["by_source"],
+            "rows": [{k: r[k] for k in keep if k in r} for r in summary["rows"][:PROFILE_ROWS]]}
 
 def cells(stacks: list, batches: list, contexts: list, query_batches: list, query_contexts: list,
           queries: int) -> list:
@@ -203,7 +233,7 @@ def run_decode(args, write=None) -> tuple[list, dict]:
         late = args.deadline_s is not None and time.perf_counter() - start > args.deadline_s
         one_query = {}  # cache -> per_layer_ms at S = 1
         for queries in query_counts:
-            total = WARM + args.repeats * args.steps + args.steps
+            total = WARM + args.repeats * args.steps + args.steps + (args.steps + 1 if args.profile else 0)
             max_seq_len = stack_mod._round_up(context + total * queries, math.lcm(128, args.page_size))
             reference = None
             variants = {}
@@ -228,9 +258,11 @@ def run_decode(args, write=None) -> tuple[list, dict]:
                     try:
                         if key == "paged" and args.paged_kernel:  # a copy for the forced kernel's run after
                             variants["paged_pallas"] = jax.tree.map(jnp.copy, variants["paged"])
+                        trace = (None if not args.profile else
+                                 f"{args.profile}/{kind}_b{batch}_l{context}_s{queries}_{key}")
                         fields, h = time_variant(stack if attention == "auto" else forced[kind], variants.pop(key),
                                                  batch, queries, context, max_seq_len, args.steps, args.repeats,
-                                                 args.seed)
+                                                 args.seed, trace)
                         rec.update(fields)
                         rec["ratio_to_floor"] = rec["per_layer_ms"] / rec["floor_ms"] if gpu else None
                         if cache == "contiguous":
@@ -279,7 +311,35 @@ def decode_markdown(records: list, meta: dict) -> str:
         out.append(f"{cell} {r['per_layer_ms']:.3f} | {r['ratio_to_contiguous']:.3f} | "
                    f"{'' if one is None else f'{one:.3f}'} | {'' if ratio is None else f'{ratio:.2f}'} | "
                    f"{r['host_dispatch_ms']:.3f} | {r['compile_s']:.1f} | {r['max_abs_diff_to_contiguous']:.1e} |")
-    return "\n".join(out)
+    return "\n".join(out + profile_markdown(records))
+
+
+def profile_markdown(records: list, top: int = 8) -> list:
+    """Per profiled cell (``--profile``): the device time a step of each cache, and the `top`
+    stages whose time differs most between the contiguous cache and each other variant."""
+    out = []
+    cells_seen: dict = collections.defaultdict(dict)
+    for r in records:
+        if r.get("profile"):
+            key = (r["stack"], r["batch"], r["context_len"], r["queries_per_step"])
+            cells_seen[key][r["cache"] + (" (kernel)" if r.get("decode_attention") == "pallas" else "")] = r["profile"]
+    for (kind, batch, context, queries), by_cache in cells_seen.items():
+        base = by_cache.get("contiguous")
+        if base is None:
+            continue
+        for cache, prof in by_cache.items():
+            if cache == "contiguous":
+                continue
+            stages = {s["source"]: [s["us_per_step"], 0.0] for s in base["by_source"]}
+            for s in prof["by_source"]:
+                stages.setdefault(s["source"], [0.0, 0.0])[1] = s["us_per_step"]
+            out += ["", f"Device time a step, {kind} B = {batch}, ctx {context}, S = {queries}: contiguous "
+                        f"{base['busy_us_per_step']:.1f} us, {cache} {prof['busy_us_per_step']:.1f} us; the stages "
+                        "that differ most:", "", f"| stage | contiguous us | {cache} us | difference |",
+                    "|---|---|---|---|"]
+            for name, (c, p) in sorted(stages.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:top]:
+                out.append(f"| {name} | {c:.1f} | {p:.1f} | {p - c:+.1f} |")
+    return out
 
 
 # ---------------------------------------------------------------------------- --scenario memory
@@ -731,6 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default="none", help="the layers' bench/plan.py mode (default: none)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="decode: also trace each variant's steps into DIR; the device time per XLA operation and "
+                         "stage goes into its record (profile) and the tables")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new cell past this many seconds of the run (the rest recorded as skipped)")
     ap.add_argument("--memory-rows", type=int, default=8,

@@ -35,9 +35,10 @@ cache is unchanged and its output NaN (`capacity`). `reset_rows` gives a row's p
 A page taken is zeroed first, so a row reads what a contiguous cache's row holds.
 
 A stack of layers keeps one page table: every layer's cache holds the same table and the same
-reference counts, because every change to them (`reserve_pages`, `reset_rows`, `fork_rows`)
-takes the whole stack's caches at once and makes the same decision for each, as vLLM's layers
-share one block table. Each layer has its own pool (its rows' widths differ).
+reference counts, because every change to them makes the same decision for each layer, as
+vLLM's layers share one block table: `reserve_pages` and `fork_rows` take the whole stack's
+caches at once (one host decision, one compiled program for every layer's pools), `reset_rows`
+each cache with the same rows. Each layer has its own pool (its rows' widths differ).
 """
 
 from __future__ import annotations
@@ -296,14 +297,8 @@ def _copy_pages(pool, frm, to):
     return pool.at[to].set(pool[frm])
 
 
-@functools.cache
-def _pool_write(write, in_place: bool):
-    """`write` compiled (one program a pool's shape), its pool donated where `in_place`."""
-    return jax.jit(write, donate_argnums=0 if in_place else ())
-
-
 def pools_consumed(cache) -> bool:
-    """Whether a paged cache's pools were donated to an earlier write (`write_pools` with
+    """Whether a paged cache's pools were donated to an earlier write (`write_stack_pools` with
     `donate`, or a step that donates its cache): deleted arrays."""
     return any(isinstance(a, jax.Array) and not is_tracer(a) and a.is_deleted()
                for state in (cache.compressor, cache.indexer) if state is not None
@@ -316,29 +311,18 @@ def _check_live(cache, what: str) -> None:
                          "(donate=True, or a layer with donate_cache=True); pass the cache that call returned")
 
 
-def write_pools(cache, write, indices: tuple, donate: bool = False):
-    """`cache` with ``write(pool, *indices)`` applied to each of its pools (every array of the
-    compressor's and the indexer's paged entries), in one compiled program a pool. A pool is
-    some GB at long contexts: by default the write makes a new pool (the caller's cache stays as
-    it was, the two held at once for the call); `donate` writes the pools in place, as
-    `DeepseekV4Attention(donate_cache=True)` does the step's writes (no copy; the cache passed
-    in is unusable after). A host (NumPy) pool is copied to the device and written there."""
-    def written(state):
-        if state is None:
-            return None
-        return state.replace(entries=jax.tree.map(
-            lambda a: _pool_write(write, donate and isinstance(a, jax.Array))(a, *indices), state.entries))
-
-    return cache.replace(compressor=written(cache.compressor), indexer=written(cache.indexer))
-
-
 def write_stack_pools(caches: list, write, indices: tuple, donate: bool = False) -> list:
-    """`write_pools` of a stack: the caches (a list) with ``write(pool, *indices)`` applied to
-    every pool of every paged cache (caches without pages pass through), all of them in ONE
-    compiled program (one a stack's pool shapes and `write`; a server's repeated calls compile
-    nothing new), as one dispatch instead of one a pool. `donate`: the device pools written in
-    place (the caches passed in unusable after); a pool given twice to be donated (the same
-    cache twice in the list) is a `ValueError` naming ``caches``, nothing written."""
+    """The caches (a stack's list) with ``write(pool, *indices)`` applied to every pool (every
+    array of the compressor's and the indexer's paged entries) of every paged cache (caches
+    without pages pass through), all of them in ONE compiled program (one a stack's pool shapes
+    and `write`: a server's repeated calls compile nothing new), one dispatch for the stack.
+
+    A pool is some GB at long contexts: by default the write makes new pools (the caller's
+    caches stay as they were, the two held at once for the call); `donate` writes the device
+    pools in place, as `DeepseekV4Attention(donate_cache=True)` does the step's writes (no copy;
+    the caches passed in are unusable after). A host (NumPy) pool is copied to the device and
+    written there. A pool given twice to be donated (the same cache twice in the list) is a
+    `ValueError` naming ``caches``, nothing written."""
     stack = list(caches)
     at = [i for i, c in enumerate(stack) if c.pages is not None]
     pools = [{part: getattr(stack[i], part).entries for part in ("compressor", "indexer")

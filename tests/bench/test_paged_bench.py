@@ -66,6 +66,22 @@ def test_paged_and_contiguous_caches_compute_the_same_hidden_states_and_record_t
     assert "| hca | 2 | 32 | 3 | paged (kernel) |" in paged.markdown(records, meta)
 
 
+
+def test_a_profiled_run_records_each_variants_device_time_by_stage(tmp_path):
+    """--profile: each variant's steps traced after the timed ones (the same steps for both, so
+    the hidden states still agree bit for bit), the device time per stage in its record, and the
+    tables compare the paged cache's stages with the contiguous cache's."""
+    one_cell = ("--batches", "1", "--contexts", "32", "--query-batches", "1", "--query-contexts", "32", "--queries", "1")
+    records, meta = paged.run(parse(*one_cell, "--steps", "2", "--repeats", "1", "--profile", str(tmp_path)))
+    assert [r["cache"] for r in records] == ["contiguous", "paged"]
+    for r in records:
+        assert r["error"] is None, r["error"]
+        prof = r["profile"]
+        assert prof["busy_us_per_step"] > 0 and prof["rows"] and len(prof["rows"]) <= paged.PROFILE_ROWS
+        assert "sparse_attention" in {s["source"] for s in prof["by_source"]}
+        assert r["max_abs_diff_to_contiguous"] == 0.0 and r["total_steps"] == paged.WARM + 2 + 2 + 3
+    assert "Device time a step, hca B = 1, ctx 32, S = 1: contiguous" in paged.markdown(records, meta)
+
 def test_past_the_deadline_the_cells_are_skipped():
     records, _ = paged.run(parse("--batches", "1", "--contexts", "32", "--query-batches", "1",
                                  "--query-contexts", "32", "--deadline-s", "0"))

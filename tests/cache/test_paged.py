@@ -179,16 +179,6 @@ def test_a_paged_steps_native_selection_gathers_no_keys():
     assert gathered.search(jaxprs["xla"])
 
 
-@LAYERS
-def test_a_paged_fp8_cache_gives_the_contiguous_fp8_caches_values(layer):
-    attn = helpers.random_layer(CFG, layer, seed=3, numerics="official")
-    x = _inputs()
-    want = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype="fp8"), x, schedule=(13, 13, 1, 3))
-    got = _calls(attn, attn.init_cache(2, MAX_SEQ, kv_cache_dtype="fp8", page_size=PAGE), x, schedule=(13, 13, 1, 3))
-    _assert_same_runs(got, want, "paged fp8")
-    assert isinstance(got[-1][2].compressor.entries, dsv4_jax.cache.quantized.QuantizedRows)
-
-
 def _scattered(cache, table=((7, 2, 10, 4), (1, 11, 5, 8))):
     """`cache` (rows empty, a pool of 12 pages) with its rows holding the pages of `table`,
     scattered over the pool, neither in order nor next to each other."""
@@ -206,16 +196,17 @@ ATTENTION_KERNEL = dsv4_jax.KernelPlan(decode_attention="interpret", prefill_att
 
 
 @pytest.mark.parametrize("layer, kv, kernels", [
-    (1, "auto", ATTENTION_KERNEL), (1, "fp8", ATTENTION_KERNEL), (2, "fp8", ATTENTION_KERNEL), (2, "auto", "xla"),
-], ids=["csa-kernel", "csa-fp8-kernel", "hca-fp8-kernel", "hca-xla"])
+    (1, "auto", ATTENTION_KERNEL), (1, "fp8", ATTENTION_KERNEL), (2, "fp8", ATTENTION_KERNEL), (2, "fp8", "xla"),
+], ids=["csa-kernel", "csa-fp8-kernel", "hca-fp8-kernel", "hca-fp8-xla"])
 def test_scattered_pages_give_the_contiguous_caches_outputs_through_the_kernel_and_xla(layer, kv, kernels,
                                                                                        monkeypatch):
     """Pages scattered over the pool: the same outputs and caches bit for bit as the contiguous
     cache, with the attention's kernel reading the pool by index (the calls return no
     intermediates: with them the attention takes the XLA path; the XLA cases compare the picks
-    too). A covering set: CSA's two row formats and HCA's FP8 rows through the kernel, HCA's bf16
-    rows through the XLA path (the op's test has both layers' entries through both paths, and their
-    gradients: tests/ops/test_sparse_attention_kernel.py)."""
+    too). A covering set: CSA's two row formats and HCA's FP8 rows through the kernel, HCA's FP8
+    rows through the XLA path (CSA's FP8 rows through it, with their picks: the selections' test
+    above; bf16 rows: the first test; the op's test has both layers' entries through both paths,
+    and their gradients: tests/ops/test_sparse_attention_kernel.py)."""
     from dsv4_jax.ops.sparse_attention import pallas as sak
 
     read = []  # what the kernel reads the entries from, a call traced
@@ -231,6 +222,8 @@ def test_scattered_pages_give_the_contiguous_caches_outputs_through_the_kernel_a
                  x, schedule, picks=picks)
     _assert_same_runs(got, want, f"scattered pages, {kernels}")
     assert got[-1][2].pages.table.tolist() == [[7, 2, 10, 4], [1, 11, 5, 8]]
+    if kv == "fp8":  # the pool holds the FP8 records themselves
+        assert isinstance(got[-1][2].compressor.entries, dsv4_jax.cache.quantized.QuantizedRows)
     if kernels != "xla":  # the contiguous calls' then the paged calls' (CSA's FP8 picks: gathered, dequantized)
         paged_reads = ["DynamicJaxprTracer"] * 2 if (layer, kv) == (1, "fp8") else ["PagedRows"] * 2
         assert read == ["DynamicJaxprTracer"] * 3 + ["PagedRows"] + paged_reads, read
