@@ -71,7 +71,8 @@ def test_a_profiled_run_records_each_variants_device_time_by_stage(tmp_path):
     """--profile: each variant's steps traced after the timed ones (the same steps for both, so
     the hidden states still agree bit for bit), the device time per stage in its record, and the
     tables compare the paged cache's stages with the contiguous cache's."""
-    one_cell = ("--batches", "1", "--contexts", "32", "--query-batches", "1", "--query-contexts", "32", "--queries", "1")
+    one_cell = ("--batches", "1", "--contexts", "32", "--query-batches", "1", "--query-contexts", "32",
+                "--queries", "1")
     records, meta = paged.run(parse(*one_cell, "--steps", "2", "--repeats", "1", "--profile", str(tmp_path)))
     assert [r["cache"] for r in records] == ["contiguous", "paged"]
     for r in records:
