@@ -192,7 +192,7 @@ def run(args, write=None) -> tuple[list, dict]:
                     rec["ratio_to_same_buffers"] = rec["per_layer_ms"] / reference[0]
                     rec["max_abs_diff_to_same_buffers"] = float(np.max(np.abs(h - reference[1])))
                 except Exception as err:
-                    rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    rec["error"] = report.error_text(err)
             records.append(rec)
             print(_line(rec), file=sys.stderr, flush=True)
             if write:

@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import measure  # noqa: E402
+from bench import measure, report  # noqa: E402
 from bench import plan as plan_mod  # noqa: E402
 from bench import run as run_mod  # noqa: E402
 from bench import stack as stack_mod  # noqa: E402
@@ -105,7 +105,7 @@ def run(args, write=None) -> tuple[list[dict], dict]:
             try:
                 rec.update(compare(attn, hidden))
             except Exception as err:  # a failing cell is a record; the run goes on
-                rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                rec["error"] = report.error_text(err)
             records.append(rec)
             print(line(rec), file=sys.stderr, flush=True)
             if write:

@@ -243,7 +243,7 @@ def run_decode(args, write=None) -> tuple[list, dict]:
                     variants["paged"] = paged_copies(stack, variants["contiguous"], batch, max_seq_len,
                                                      args.page_size, args.seed)
                 except Exception as err:
-                    variants = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                    variants = {"error": report.error_text(err)}
             for cache, attention in plan:
                 key = cache if attention == "auto" else f"{cache}_{attention}"
                 rec = {**base, "cache": cache, "decode_attention": attention, "queries_per_step": queries,
@@ -274,7 +274,7 @@ def run_decode(args, write=None) -> tuple[list, dict]:
                         rec["ratio_to_one_query"] = (rec["per_layer_ms"] / one_query[key] if key in one_query
                                                      else None)
                     except Exception as err:
-                        rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                        rec["error"] = report.error_text(err)
                 _keep(records, rec, _line, write, meta)
             variants.clear()
     return records, meta
@@ -467,7 +467,7 @@ def run_memory(args, write=None) -> tuple[list, dict]:
                 rec.update(memory_record(cfg, name, group, args.memory_rows, args.memory_max_len, args.page_size,
                                          lengths, dtype, kv, mean))
             except Exception as err:
-                rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                rec["error"] = report.error_text(err)
             _keep(records, rec, _memory_line, write, meta)
     return records, meta
 
@@ -716,7 +716,7 @@ def run_prefix(args, write=None) -> tuple[list, dict]:
                 rec["meets_target"] = rec["ratio_to_full"] <= PREFIX_TARGET
                 del stack
             except Exception as err:
-                rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                rec["error"] = report.error_text(err)
         _keep(records, rec, _prefix_line, write, meta)
     return records, meta
 

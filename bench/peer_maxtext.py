@@ -54,7 +54,9 @@ def available() -> str | None:
         from maxtext.configs import pyconfig  # noqa: F401
         from maxtext.layers.attention_compressed import CompressedAttention  # noqa: F401
     except Exception as err:  # any import failure means: no peer
-        return f"{type(err).__name__}: {str(err)[:300]}"
+        from bench.report import error_text
+
+        return error_text(err)
     return None
 
 

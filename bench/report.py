@@ -12,6 +12,12 @@ from .plan import MODES, PEER
 IMPLS = (*MODES, PEER, MAXTEXT)
 
 
+
+def error_text(err: BaseException, limit: int = 300) -> str:
+    """A record's ``error``: the exception's type and the start of its message (a record stays
+    small; the log keeps the whole traceback)."""
+    return f"{type(err).__name__}: {str(err)[:limit]}"
+
 def _fmt(v, digits=3):
     if v is None:
         return "-"

@@ -363,7 +363,7 @@ def run(args, partial=None) -> tuple[list, dict]:
                     fill_timings(rec, res, case)
                     results[mode] = res
                 except Exception as err:
-                    rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    rec["error"] = report.error_text(err)
             add_floor(rec, cfg, case, jr.weight_bytes, dtype.itemsize, platform)
             case_records[mode] = rec
             prog.step(f"{case.key} {mode}")
@@ -394,7 +394,7 @@ def run(args, partial=None) -> tuple[list, dict]:
                     fill_timings(rec, res, case)
                     results[PEER] = res
                 except Exception as err:
-                    rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    rec["error"] = report.error_text(err)
                     peer.reset()
                     if torch_device == "cuda":
                         peer.torch.cuda.empty_cache()
@@ -420,7 +420,7 @@ def run(args, partial=None) -> tuple[list, dict]:
                         ours_picks = jr.picks(case, "none", dev_inputs, snap)
                         rec["picks_set_overlap_vs_none"] = measure.picks_overlap(res["picks"], ours_picks)
             except Exception as err:
-                rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                rec["error"] = report.error_text(err)
             rec.update({"maxtext_" + k: v for k, v in (meta.get("maxtext_versions") or {}).items()})
             add_floor(rec, cfg, case, jr.weight_bytes, dtype.itemsize, platform)
             case_records[mt_name] = rec

@@ -730,7 +730,7 @@ def run(args, write=None) -> tuple[list, dict]:
                                                 memory_bytes=getattr(args, "prefill_memory", None)))
                     rec["ratio_to_floor"] = rec["per_layer_ms"] / rec["floor_ms"] if gpu else None
                 except Exception as err:
-                    rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    rec["error"] = report.error_text(err)
                 records.append(rec)
                 print(_line(rec), file=sys.stderr, flush=True)
                 if write:
@@ -749,7 +749,7 @@ def run(args, write=None) -> tuple[list, dict]:
                     meta["profiles"].append(prof)
                 except Exception as err:
                     meta["profiles"].append({"mode": mode, "stack": kind, "scenario": p_scenario, "batch": b,
-                                             "context_len": c, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                                             "context_len": c, "error": report.error_text(err)})
                 if write:
                     write(records, meta)
             del stack
