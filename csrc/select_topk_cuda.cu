@@ -215,6 +215,7 @@ __global__ void ScoreKernel(const In* __restrict__ queries, const float* __restr
 constexpr int kMmaWarps = 4;
 constexpr int kMmaEntries = 16 * kMmaWarps;  // entries per tile
 constexpr int kMmaPad = 8;                   // bf16 per shared row beyond dim: row stride = 4 banks mod 32
+constexpr int kMmaMaxTiles = 8;              // tiles a block scores at most (LaunchScores)
 
 size_t MmaSharedBytes(int heads, int dim) {
   // q [heads, dim + pad] | keys [2 buffers][kMmaEntries, dim + pad], bfloat16
@@ -297,6 +298,22 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
   if (n_tiles == 0) return;  // uniform across the block
 
+  // Each tile's first key row (keys.Run). A paged pool's is a page-table read: read inside the
+  // tile loop, it stalled each tile's key loads on a global load (the paged scoring ran 1.2x the
+  // contiguous at 1M entries a row); read here, once a tile, the loop finds it in shared memory.
+  __shared__ int64_t tile_runs[kMmaMaxTiles];
+  if constexpr (Keys::kMayMiss) {
+    if (tid < n_tiles) tile_runs[tid] = keys.Run(b, first + static_cast<int64_t>(tid) * kMmaEntries, kMmaEntries);
+    __syncthreads();
+  }
+  auto tile_run = [&](int i, int64_t t0) -> int64_t {
+    if constexpr (Keys::kMayMiss) {
+      return tile_runs[i];
+    } else {
+      return keys.Run(b, t0, kMmaEntries);
+    }
+  };
+
   const __nv_bfloat16* q_row = queries + row * kHeads * dim;
   for (int v = tid; v < kHeads * chunks; v += blockDim.x) {
     const int h = v / chunks, c = v % chunks;
@@ -309,7 +326,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       // The tile's rows from one address where they are consecutive (contiguous keys; a paged
       // pool's tile on one page: one table lookup a tile, not one a 16-byte load), else each key
       // row's address on its own; a row past `slots` or on a missing page is zero-filled.
-      const int64_t run = keys.Run(b, t0, kMmaEntries);
+      const int64_t run = tile_run(i, t0);
       for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
         const int e = v / chunks, c = v % chunks;
         const bool inside = t0 + e < slots;
@@ -338,7 +355,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   auto fetch_fp4 = [&](int i) {  // staged (kLoads > 0): tile i's codes into registers
     if constexpr (kFp4 && kLoads > 0) {
       const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
-      const int64_t run = keys.Run(b, t0, kMmaEntries);
+      const int64_t run = tile_run(i, t0);
 #pragma unroll
       for (int j = 0; j < kLoads; ++j) fp4_load(t0, run, tid + j * kMmaWarps * 32, &fp4_codes[j], &fp4_scales[j]);
     }
@@ -354,7 +371,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         }
       } else {
         const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
-        const int64_t run = keys.Run(b, t0, kMmaEntries);
+        const int64_t run = tile_run(i, t0);
         for (int v = tid; v < kMmaEntries * units; v += kMmaWarps * 32) {
           uint2 codes;
           uint32_t scale;
@@ -983,7 +1000,7 @@ ffi::Error LaunchScores(cudaStream_t stream, const void* queries, const float* w
       }
       // Enough blocks to fill the card (~4 per SM of an H200), each as many tiles as that allows (<= 8).
       const int64_t rows = d.rows * d.seq, tiles_total = (d.slots + kMmaEntries - 1) / kMmaEntries;
-      const int tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, rows * tiles_total / 528)));
+      const int tiles = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMmaMaxTiles, rows * tiles_total / 528)));
       const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((tiles_total + tiles - 1) / tiles));
       kernel<<<grid, kMmaWarps * 32, shared, stream>>>(static_cast<const __nv_bfloat16*>(queries), weights, keys,
                                                        visible, scores, d.seq, static_cast<int>(d.dim), d.slots, scale,
