@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.backend import to_host_memory
+from dsv4_jax.backend import is_tracer, to_host_memory
 from dsv4_jax.cache import paged
 from dsv4_jax.cache.contiguous import AttentionCache, advance_length, advance_rewindable
 from dsv4_jax.layer import validation
@@ -76,7 +76,14 @@ def _device_length(length, checked: list | None = None):
     if hit[1] != (length.tolist() if checked is None else checked):
         return length
     device = hit[2]
-    return length if getattr(device, "is_deleted", _not_deleted)() else device
+    return device if _usable(device) else length
+
+
+def _usable(device_length) -> bool:
+    """A remembered device length the step may take: not deleted (donated), and not a tracer.
+    A tracer was made by a call under the user's own jit on a cache made inside it (a host
+    mirror): outside that trace it is gone, and inside it the mirror serves as well."""
+    return not is_tracer(device_length) and not getattr(device_length, "is_deleted", _not_deleted)()
 
 
 def _not_deleted() -> bool:
@@ -218,7 +225,7 @@ def call(layer, hidden_states, positions, cache: AttentionCache, return_intermed
                 before, after = validation.check_values(hidden_states, positions, cache.length,
                                                         cache.max_seq_len, False if deferred else finite,
                                                         hit[0].dtype)
-                if last is not None and last[2] == before and not getattr(last[3], "is_deleted", _not_deleted)():
+                if last is not None and last[2] == before and _usable(last[3]):
                     device_length = last[3]  # the mirror still holds what the step returned
                 else:
                     device_length = _device_length(cache.length, before)

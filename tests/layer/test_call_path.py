@@ -563,6 +563,18 @@ def test_positions_none_continues_each_row_of_the_cache():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert np.asarray(traced.length).tolist() == [PREFILL + 1] * 2
 
+    @nnx.jit
+    def from_a_cache_made_inside(layer, hidden):  # its length a host mirror inside the trace
+        cache = layer.init_cache(2, 32)
+        prompt, cache = layer(hidden[:, :PREFILL], None, cache)
+        token, cache = layer(hidden[:, PREFILL:PREFILL + 1], None, cache)  # the prompt's cache, called again
+        return prompt, token, cache.length
+
+    prompt, token, length = from_a_cache_made_inside(attn, x)
+    np.testing.assert_allclose(np.asarray(prompt), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(token), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.asarray(length).tolist() == [PREFILL + 1] * 2
+
 
 @pytest.mark.parametrize("case", ["hidden_rank", "cache_type", "room"])
 def test_positions_none_refuses_bad_inputs_by_name(case):
