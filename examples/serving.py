@@ -92,13 +92,13 @@ def serve(cfg=None, seed: int = 0, log=print) -> dict:
         drafts = rng.normal(size=(2, DRAFTS, cfg.hidden_size)).astype(np.float32)
         _, caches = run(layers, caches, jnp.asarray(drafts), None)
         accept = rng.integers(0, DRAFTS + 1, size=2)
-        caches = [dsv4_jax.rewind_rows(c, [0, 1], DRAFTS - accept) for c in caches]
+        caches = dsv4_jax.rewind_rows(caches, [0, 1], DRAFTS - accept)  # every layer in one call
         accepted_total += accept
         log(f"step {step}: accepted {accept.tolist()} of {DRAFTS} drafts, lengths {caches[1].length.tolist()}")
 
     # 3. Request A is done: its pages go back; request C starts in row 0 on them.
     free_before = caches[1].pages.free
-    caches = [dsv4_jax.reset_rows(c, [0]) for c in caches]
+    caches = dsv4_jax.reset_rows(caches, [0])
     freed = caches[1].pages.free - free_before
     c_turn = np.zeros((2, 5, cfg.hidden_size), np.float32)
     c_turn[0] = user_c

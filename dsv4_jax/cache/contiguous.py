@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dsv4_jax.backend import Array, namespace
+from dsv4_jax.backend import Array, is_tracer, namespace
 from dsv4_jax.cache import paged
 from dsv4_jax.cache.paged import PageTable
 from dsv4_jax.cache.quantized import check_kv_cache_dtype, quantized_zeros, write_rows
@@ -185,7 +185,7 @@ def overflows(length: Array, new_tokens, max_seq_len: int) -> Array:
     return length + new_tokens > max_seq_len
 
 
-def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
+def reset_rows(cache, rows):
     """The cache with `rows` emptied (length 0, every array of the row zero, as
     `init_attention_cache` makes it: its rewind history and count too) and every other row
     untouched.
@@ -194,41 +194,90 @@ def reset_rows(cache: AttentionCache, rows) -> AttentionCache:
     sequence starts there at position 0 while the other rows go on. Shapes and static fields
     do not change, so the same compiled step keeps serving (no recompilation).
 
+    cache: one layer's `AttentionCache`, or a stack's list/tuple of them (the same rows of
+          every layer; the same kind comes back). Every layer's rows are zeroed in one
+          compiled program (one a stack's structure); a stack's paged caches must hold one page
+          table (`paged.shared_table`: a `ValueError` naming ``caches`` otherwise), which the
+          rows' pages go back to once for all of them.
     rows: row indices (a sequence or int array [R], negative counted from the end) or a bool
           mask [B]. Eagerly, out-of-range indices and masks of the wrong length raise a
           `ValueError` naming ``rows`` (nothing changed). Under `jax.jit` (traced `rows`) no
           check can run: out-of-range indices are ignored, a mask must be [B] (a shape check).
 
-    Jittable. The data arrays are updated with one scatter each (a copy unless the cache is
-    donated, as in a jitted serving step; XLA updates donated buffers in place). A paged
-    cache's rows give their pages back to the pool (`paged.release`); pass a stack's caches
-    one by one (the same rows: their tables stay one). An eager
-    cache keeps its host length mirror (a NumPy array, see the module docstring); a traced or
-    device length stays on the device.
+    Jittable. The data arrays are rewritten (a copy unless the cache is donated, as in a
+    jitted serving step; XLA updates donated buffers in place). A paged cache's rows give
+    their pages back to the pool (`paged.release`). An eager cache keeps its host length
+    mirror (a NumPy array, see the module docstring); a traced or device length stays on
+    the device.
     """
-    from dsv4_jax.backend import is_tracer
-
-    if not isinstance(cache, AttentionCache):
-        raise TypeError(f"cache: expected an AttentionCache, got {type(cache).__name__}")
-    batch = cache.batch_size
+    stack, single = checked_stack(cache)
+    if not stack:
+        return cache
+    batch = stack[0].batch_size
     # Concrete rows are checked and become indices (also under a jit whose cache is traced);
     # traced rows become a [B] mask, which cannot be checked.
     idx = _traced_rows(rows, batch) if is_tracer(rows) else _host_rows(rows, batch)
-    mirrors = {name: getattr(cache, name) for name in HOST_MIRRORS}
-    data = paged.map_rows(lambda per_row: jax.tree.map(lambda a: _zero_rows(a, idx), per_row),
-                          cache.replace(**dict.fromkeys(HOST_MIRRORS)))
-    if cache.pages is not None:  # a paged cache's rows give their pages back instead
-        data = data.replace(pages=paged.release(cache.pages, idx))
-    for name, mirror in mirrors.items():
-        if mirror is None:
-            continue
-        if isinstance(mirror, np.ndarray) and isinstance(idx, np.ndarray):
-            mirror = mirror.copy()
-            mirror[idx] = 0
-        else:
-            mirror = _zero_rows(jnp.asarray(mirror, jnp.int32), idx)
-        mirrors[name] = mirror
-    return data.replace(**mirrors)
+    released = _released_pages(stack, idx)
+    # The program takes a [B] mask (one compile per structure, whatever the rows' count).
+    mask = idx if idx.dtype == jnp.bool_ else _host_mask(idx, batch)
+    data = paged.map_stack_rows(lambda per_row: _zero_stack(per_row, mask),
+                                [c.replace(**dict.fromkeys(HOST_MIRRORS)) for c in stack])
+    new = []
+    for i, (c, d) in enumerate(zip(stack, data)):
+        if c.pages is not None:  # a paged cache's rows give their pages back instead
+            d = d.replace(pages=released[i])
+        mirrors = {}
+        for name in HOST_MIRRORS:
+            mirror = getattr(c, name)
+            if mirror is None:
+                continue
+            if isinstance(mirror, np.ndarray) and isinstance(idx, np.ndarray):
+                mirror = mirror.copy()
+                mirror[idx] = 0
+            else:
+                mirror = _zero_rows(jnp.asarray(mirror, jnp.int32), idx)
+            mirrors[name] = mirror
+        new.append(d.replace(**mirrors))
+    return new[0] if single else type(cache)(new)
+
+
+def checked_stack(cache) -> tuple[list, bool]:
+    """(one cache or a stack's list/tuple of them as a list, whether one was given): each an
+    `AttentionCache` (a `TypeError` naming ``cache`` or ``caches[i]``), every one of the same
+    batch size (a `ValueError` naming ``caches``)."""
+    stack, single = paged.stack_of(cache)
+    for i, c in enumerate(stack):
+        if not isinstance(c, AttentionCache):
+            where = "cache" if single else f"caches[{i}]"
+            raise TypeError(f"{where}: expected an AttentionCache, got {type(c).__name__}")
+    other = [i for i, c in enumerate(stack) if c.batch_size != stack[0].batch_size]
+    if other:
+        raise ValueError(f"caches: expected the caches of one stack to hold the same rows (batch size "
+                         f"{stack[0].batch_size}), got cache {other[0]} of batch size {stack[other[0]].batch_size}")
+    return stack, single
+
+
+def _released_pages(stack: list, idx) -> list:
+    """Each cache's page table with rows `idx` holding no page (None: not paged). Concrete
+    tables: the stack's one table (`paged.shared_table`), released once; traced ones (a user's
+    jit) cannot be compared, and each is released."""
+    if any(c.pages is not None and is_tracer(c.pages.table) for c in stack):
+        return [None if c.pages is None else paged.release(c.pages, idx) for c in stack]
+    table = paged.shared_table(stack)
+    released = None if table is None else paged.release(table, idx)
+    return [None if c.pages is None else released for c in stack]
+
+
+def _host_mask(idx: np.ndarray, batch: int) -> np.ndarray:
+    mask = np.zeros((batch,), bool)
+    mask[idx] = True
+    return mask
+
+
+@jax.jit
+def _zero_stack(caches: list, mask) -> list:
+    """Every leaf's rows where `mask` [B] is set to zero."""
+    return jax.tree.map(lambda a: _zero_rows(a, mask), caches)
 
 
 def _host_rows(rows, batch: int) -> np.ndarray:

@@ -18,15 +18,19 @@ import numpy as np
 
 from dsv4_jax.backend import is_tracer
 from dsv4_jax.cache import paged
-from dsv4_jax.cache.contiguous import HOST_MIRRORS, AttentionCache, _host_rows, _traced_rows
+from dsv4_jax.cache.contiguous import HOST_MIRRORS, AttentionCache, _host_rows, _traced_rows, checked_stack
 from dsv4_jax.cache.history import drop_entries, restore_ring
 from dsv4_jax.config import CSA
 
 
 # ---------------------------------------------------------------------------- rewind
-def rewind_rows(cache: AttentionCache, rows, n) -> AttentionCache:
+def rewind_rows(cache, rows, n):
     """The cache with the last `n` tokens of rows `rows` taken back, as if never written.
 
+    cache: one layer's `AttentionCache`, or a stack's list/tuple of them (the same rows of
+          every layer; the same kind comes back): every layer rewound in one compiled program
+          (a speculative step's rejected drafts cost one dispatch, not one a layer), each
+          checked against its own counts.
     rows: row indices (an int, a sequence or int array, negative counted from the end; no row
           twice) or a bool mask [B].
     n:    tokens to take back: an int for every row of `rows`, or one per row (as many as the
@@ -55,23 +59,32 @@ def rewind_rows(cache: AttentionCache, rows, n) -> AttentionCache:
     n) nothing can refuse: a row asked for a negative n or more than it can take back is left
     unchanged; indices out of range are ignored.
     """
-    if not isinstance(cache, AttentionCache):
-        raise TypeError(f"cache: expected an AttentionCache, got {type(cache).__name__}")
-    k = cache.max_rewind
-    if k == 0:
-        raise ValueError("cache: rewind_rows needs the history a cache keeps when made with max_rewind > 0, got "
-                         "a cache made with max_rewind=0; pass max_rewind=K (the most tokens a row may take back, "
-                         "e.g. the drafts of a speculative step) to init_cache")
-    batch = cache.batch_size
+    stack, single = checked_stack(cache)
+    if not stack:
+        return cache
+    for i, c in enumerate(stack):
+        if c.max_rewind == 0:
+            raise ValueError(f"{'cache' if single else f'caches[{i}]'}: rewind_rows needs the history a cache keeps "
+                             "when made with max_rewind > 0, got a cache made with max_rewind=0; pass max_rewind=K "
+                             "(the most tokens a row may take back, e.g. the drafts of a speculative step) to "
+                             "init_cache")
+    batch = stack[0].batch_size
     traced = is_tracer(rows) or is_tracer(n)
-    per_row = _traced_counts(rows, n, batch) if traced else _host_counts(cache, rows, n, batch)
-    new = _rewind(cache.replace(**_device_mirrors(cache)), jnp.asarray(per_row, jnp.int32), k)
-    if cache.pages is not None:  # a rewind takes no page and gives none back: the table as it was
-        new = new.replace(pages=cache.pages)
     if traced:
-        return new
-    # An eager cache keeps its host mirrors, moved by the same rule on the host.
-    return new.replace(**_host_mirrors(cache, new, lambda mirror: (mirror - per_row).astype(np.int32)))
+        per_row = _traced_counts(rows, n, batch)
+    else:  # every layer's counts checked before any is rewound
+        counts = [_host_counts(c, rows, n, batch) for c in stack]
+        per_row = counts[0]
+    rewound = _rewind_stack([c.replace(**_device_mirrors(c)) for c in stack], jnp.asarray(per_row, jnp.int32),
+                            tuple(c.max_rewind for c in stack))
+    new = []
+    for c, r in zip(stack, rewound):
+        if c.pages is not None:  # a rewind takes no page and gives none back: the table as it was
+            r = r.replace(pages=c.pages)
+        if not traced:  # an eager cache keeps its host mirrors, moved by the same rule on the host
+            r = r.replace(**_host_mirrors(c, r, lambda mirror: (mirror - per_row).astype(np.int32)))
+        new.append(r)
+    return new[0] if single else type(cache)(new)
 
 
 def _host_counts(cache: AttentionCache, rows, n, batch: int) -> np.ndarray:
@@ -166,6 +179,12 @@ def _rewind(cache: AttentionCache, n, max_rewind: int) -> AttentionCache:
                                       indexer=compressor(cache.indexer, ratio)))
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _rewind_stack(caches: list, n, max_rewinds: tuple) -> list:
+    """`_rewind` of every cache of a stack, one program."""
+    return [_rewind(c, n, k) for c, k in zip(caches, max_rewinds)]
+
+
 def _ratio(cache: AttentionCache) -> int:
     """The compress ratio m of a compressed layer's cache, from its ring (2m slots for CSA's
     overlapping windows, m for HCA); 0 for a sliding layer."""
@@ -207,18 +226,10 @@ def fork_rows(cache, src, dst, *, donate: bool = False):
     (traced indices) nothing can refuse: a `dst` holding tokens is overwritten, indices out of
     range are ignored.
     """
-    stack, single = paged.stack_of(cache)
-    for i, c in enumerate(stack):
-        if not isinstance(c, AttentionCache):
-            where = "cache" if single else f"caches[{i}]"
-            raise TypeError(f"{where}: expected an AttentionCache, got {type(c).__name__}")
+    stack, single = checked_stack(cache)
     if not stack:
         return cache
     batch = stack[0].batch_size
-    other = [i for i, c in enumerate(stack) if c.batch_size != batch]
-    if other:
-        raise ValueError(f"caches: expected the caches of one stack to hold the same rows (batch size {batch}), "
-                         f"got cache {other[0]} of batch size {stack[other[0]].batch_size}")
     traced = is_tracer(src) or is_tracer(dst)
     lengths = _host_lengths(stack)
     if traced:

@@ -607,3 +607,56 @@ def test_a_stacks_reserve_zeroes_every_layers_pages_in_one_program():
     before = _compiled()
     again = dsv4_jax.reserve_pages(got, np.array([0, 0, 32]), donate=True)  # 2 pages again: nothing compiles
     assert _compiled() == before and again[1].pages.free == 0
+
+
+@pytest.mark.parametrize("paging", [STACK_PAGING, None], ids=["paged", "contiguous"])
+def test_a_stack_rewinds_and_resets_in_one_call_as_its_layers_one_by_one(paging):
+    """`rewind_rows` and `reset_rows` of a stack's list (or tuple: the same kind comes back)
+    equal the same call on each layer's cache, bit for bit (host mirrors and page table
+    included): every layer in one program, the stack's one table released once, and a second
+    call of the same shapes compiles nothing. A refused call (a layer without history, more
+    tokens than a row holds, tables that differ, a stack holding something else) changes no
+    cache; a contiguous stack's calls under `jax.jit` equal the eager ones."""
+    from dsv4_jax.cache import contiguous, rows
+
+    forked = dsv4_jax.fork_rows(_filled_stack(paging=paging), 0, 1)  # rows 0 and 1 hold 40 tokens
+    want = [dsv4_jax.rewind_rows(c, [0, 1], [3, 1]) for c in forked]
+    got = dsv4_jax.rewind_rows(forked, [0, 1], [3, 1])
+    assert isinstance(got, list)
+    _assert_bitwise(got, want, "a stack's rewind")
+    want = [dsv4_jax.reset_rows(c, [0]) for c in got]
+    got = dsv4_jax.reset_rows(tuple(got), [0])
+    assert isinstance(got, tuple)
+    _assert_bitwise(list(got), want, "a stack's reset")
+    if paging:  # row 0's pages given back: pages 0-1 are row 1's alone, row 0's copy of page 2 free
+        assert got[1].pages is got[2].pages and got[1].pages.free == 7 - 3
+    compiled = (contiguous._zero_stack._cache_size(), rows._rewind_stack._cache_size())
+    again = dsv4_jax.reset_rows(dsv4_jax.rewind_rows(got, [1], 1), [1])
+    assert (contiguous._zero_stack._cache_size(), rows._rewind_stack._cache_size()) == compiled
+    assert np.asarray(again[1].length).tolist() == [0, 0, 0]
+    if paging:
+        assert again[1].pages.free == 7
+
+    before = [jax.tree.map(np.array, c) for c in forked]
+    no_history = helpers.random_layer(CFG, 1, seed=3).init_cache(3, MAX_SEQ, **(paging or {}))
+    refusals = [
+        (lambda: dsv4_jax.rewind_rows([forked[0], no_history], [0], 1), ValueError,
+         r"caches\[1\]: rewind_rows needs the history a cache keeps"),
+        (lambda: dsv4_jax.rewind_rows(forked, [0, 2], 1), ValueError, r"n: expected at most 0 tokens for row 2"),
+        (lambda: dsv4_jax.reset_rows([forked[0], "cache"], [0]), TypeError,
+         r"caches\[1\]: expected an AttentionCache, got str"),
+        (lambda: dsv4_jax.reset_rows(forked, [3]), ValueError, r"rows: expected row indices in \[-3, 3\)")]
+    if paging:
+        apart = dsv4_jax.reserve_pages(forked[2], np.array([0, 0, 16]))  # its table alone takes a page
+        refusals.append((lambda: dsv4_jax.reset_rows([forked[1], apart], [0]), ValueError,
+                         "caches: expected the paged caches of one stack to hold one page table"))
+    for call, kind, match in refusals:
+        with pytest.raises(kind, match=match):
+            call()
+    for c, was in zip(forked, before):
+        _assert_bitwise(jax.tree.map(np.asarray, c), was, "after the refusals")
+    if not paging:
+        jitted = jax.jit(lambda c, r: dsv4_jax.reset_rows(dsv4_jax.rewind_rows(c, r, 2), r[:1]))(forked,
+                                                                                               jnp.array([1, 0]))
+        eager = dsv4_jax.reset_rows(dsv4_jax.rewind_rows(forked, [1, 0], 2), [1])
+        _assert_bitwise(jax.tree.map(np.asarray, jitted), jax.tree.map(np.asarray, eager), "under jit")
