@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   if (n_tiles == 0) return;  // uniform across the block
 
   // Each tile's first key row (keys.Run). A paged pool's is a page-table read: read inside the
-  // tile loop, it stalled each tile's key loads on a global load (the paged scoring ran 1.2x the
-  // contiguous at 1M entries a row); read here, once a tile, the loop finds it in shared memory.
+  // tile loop, it stalls that tile's key loads on a global load (bench/RESULTS.md, "Paged
+  // caches"); read here, once a tile, the loop finds it in shared memory.
   __shared__ int64_t tile_runs[kMmaMaxTiles];
   if constexpr (Keys::kMayMiss) {
     if (tid < n_tiles) tile_runs[tid] = keys.Run(b, first + static_cast<int64_t>(tid) * kMmaEntries, kMmaEntries);
