@@ -46,7 +46,8 @@
 #             cache and the same values in scattered pages of 256 tokens, one token a row, and at
 #             QUERY_BATCHES (default 8) x QUERY_CONTEXTS (16384,131072) also 4 a row; STACKS (csa,hca),
 #             BATCHES (1,8,32), CONTEXTS (16384,131072,1048576), PAGED_ARGS (more bench/paged.py arguments;
-#             --paged-kernel: the paged cache also with the decode kernel forced; --profile /tmp/paged_trace:
+#             --paged-kernel: the paged cache also with the decode kernel forced; --page-order in-order: each
+#             row's pages one after another in the pool, not a random order; --profile /tmp/paged_trace:
 #             each variant's device time by stage, compared in the tables); no cell starts past
 #             PAGED_DEADLINE s (default 400), PAGED_TIMEOUT (default 470) -> $OUT/paged.json, $OUT/paged.log.
 #             PAGED_SCENARIO (default decode: the above) =prefix: a 64k prompt whose first 60k tokens are a

@@ -22,8 +22,11 @@ random, ``length`` = context) in each variant (records' ``cache``, ``queries_per
 ``contiguous``  the default cache, [B, T, D] entries a row.
 ``paged``       the same values in a paged cache (`dsv4_jax.cache.paged`): pages of ``--page-size``
                 tokens, just enough for every row's ``max_seq_len`` (the pool's every page held),
-                scattered over the pool by a seeded permutation, as a server's pages end up. Its
-                entries are the contiguous cache's, copied into the pages before either runs.
+                scattered over the pool by a seeded permutation, as a server's pages end up after
+                requests come and go (``--page-order random``, the default; ``in-order``: each row's
+                pages one after another in the pool, as a fresh pool's `reserve_pages` hands them
+                out: records' ``page_order``). Its entries are the contiguous cache's, copied into
+                the pages before either runs.
 
 ``--paged-kernel`` adds the paged cache once more with the sparse attention kernel forced for
 decode (records' ``decode_attention`` "pallas", else "auto"): where the plan takes the XLA path
@@ -83,15 +86,22 @@ CACHES = ("contiguous", "paged")
 WARM = 2  # warm-up steps of every variant (the first compiles)
 
 
+PAGE_ORDERS = ("random", "in-order")
+
+
 def paged_copies(stack: stack_mod.Stack, caches: list, batch: int, max_seq_len: int, page_size: int,
-                 seed: int) -> list:
+                 seed: int, page_order: str = "random") -> list:
     """`caches` (the stack's contiguous caches) as paged caches holding the same values: every row
     holds the pages of ``max_seq_len`` tokens, ``batch * ceil(max_seq_len / page_size)`` pages in
-    all (the whole pool), the pool's pages handed out in a seeded random order. The leaves are new
+    all (the whole pool), the pool's pages handed out in a seeded random order (`page_order`
+    "random") or as `reserve_pages` gives them, row after row ("in-order"). The leaves are new
     buffers (the steps donate their caches)."""
+    if page_order not in PAGE_ORDERS:
+        raise ValueError(f"page_order: expected one of {PAGE_ORDERS}, got {page_order!r}")
     empty = dsv4_jax.reserve_pages(stack.empty_caches(batch, max_seq_len, page_size), max_seq_len)
     pages = next(c.pages for c in empty if c.pages is not None)
-    order = np.random.default_rng(seed).permutation(pages.num_pages).astype(np.int32)
+    order = (np.random.default_rng(seed).permutation(pages.num_pages) if page_order == "random"
+             else np.arange(pages.num_pages)).astype(np.int32)
     table = np.where(pages.table >= 0, order[np.maximum(pages.table, 0)], -1).astype(np.int32)
     refs = np.zeros_like(pages.refs)
     refs[table[table >= 0]] = 1
@@ -207,7 +217,8 @@ def run_decode(args, write=None) -> tuple[list, dict]:
     numerics = "official" if args.kv_cache_dtype == "fp8" else args.numerics
     env = stack_mod.environment()
     meta = {"size": args.size, "dtype": dtype.name, "argv": sys.argv[1:], "n_layers": args.layers_per_stack,
-            "stacks": args.stacks, "caches": list(CACHES), "page_size": args.page_size, "queries": args.queries,
+            "stacks": args.stacks, "caches": list(CACHES), "page_size": args.page_size, "page_order": args.page_order,
+            "queries": args.queries,
             "paged_kernel": args.paged_kernel,
             "mode": args.mode, "kv_cache_dtype": args.kv_cache_dtype, "numerics": numerics,
             "deadline_s": args.deadline_s, **env}
@@ -228,7 +239,7 @@ def run_decode(args, write=None) -> tuple[list, dict]:
         stack = stacks[kind]
         base = {"scenario": "paged_decode", "batch": batch, "context_len": context, "size": args.size, "stack": kind,
                 "layer_type": stack.layer_type, "n_layers": len(stack.layers), "layer_indices": stack.indices,
-                "mode": args.mode, "dtype": dtype.name, "page_size": args.page_size,
+                "mode": args.mode, "dtype": dtype.name, "page_size": args.page_size, "page_order": args.page_order,
                 "kv_cache_dtype": args.kv_cache_dtype, "numerics": numerics, **env}
         late = args.deadline_s is not None and time.perf_counter() - start > args.deadline_s
         one_query = {}  # cache -> per_layer_ms at S = 1
@@ -241,7 +252,7 @@ def run_decode(args, write=None) -> tuple[list, dict]:
                 try:  # both made before either runs (the paged one is a copy of the contiguous one)
                     variants["contiguous"] = stack.synthetic_caches(batch, max_seq_len, context, args.seed)
                     variants["paged"] = paged_copies(stack, variants["contiguous"], batch, max_seq_len,
-                                                     args.page_size, args.seed)
+                                                     args.page_size, args.seed, args.page_order)
                 except Exception as err:
                     variants = {"error": report.error_text(err)}
             for cache, attention in plan:
@@ -297,7 +308,8 @@ def decode_markdown(records: list, meta: dict) -> str:
     """One table: per (stack, B, context, S), each cache's ms a layer, its ratio to the
     contiguous cache and to S = 1, to the floor, the host's dispatch time a step, the compile."""
     out = [f"Paged and contiguous caches, stacks of {meta.get('n_layers')} layers, {meta.get('size')}, "
-           f"{meta.get('dtype')}, pages of {meta.get('page_size')} tokens, {meta.get('device')}, "
+           f"{meta.get('dtype')}, pages of {meta.get('page_size')} tokens "
+           f"({meta.get('page_order', 'random')} over the pool), {meta.get('device')}, "
            f"jax {meta.get('jax_version')}", "",
            "| stack | B | ctx | S | cache | ms / layer | x contiguous | x S = 1 | x floor | host ms / step | "
            "compile s | max diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -780,6 +792,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="contexts of the S-token cells (default 16384,131072; tiny: 64)")
     ap.add_argument("--page-size", type=int, default=None,
                     help="tokens a page, a multiple of the compress ratios (default 256; tiny: 16)")
+    ap.add_argument("--page-order", default="random", choices=PAGE_ORDERS,
+                    help="decode: the paged cache's pages over the pool, a seeded permutation (default) or "
+                         "each row's one after another")
     ap.add_argument("--paged-kernel", action="store_true",
                     help="also the paged cache with the sparse attention kernel forced for decode (an A/B of the "
                          "plan's choice; records' decode_attention 'pallas', else 'auto')")

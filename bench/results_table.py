@@ -166,6 +166,7 @@ def paged(records: list[dict]) -> Iterator[Row]:
         s = r["queries_per_step"]
         case = f"{r['stack']} x{r['n_layers']}, B = {r['batch']}, {_ctx(r['context_len'])}, S = {s}: {r['cache']}"
         case += " (decode kernel forced)" if r.get("decode_attention") == "pallas" else ""
+        case += " (pages in order)" if r["cache"] == "paged" and r.get("page_order") == "in-order" else ""
         if r.get("error"):
             yield case, "not run", str(r["error"]).split(":")[0]
             continue
@@ -299,6 +300,24 @@ SOURCES: list[tuple[str, str, str, str, str, Callable[[list[dict]], Iterator[Row
      H100 + "; max diff: the hidden states after the last of ~40 steps, each fed the last one's output; "
      "CSA B = 32 at 1M does not fit the H100's memory",
      "c2b10df", paged),
+    ("Paged CSA after the scoring kernel reads its tiles' page runs before its loop",
+     "h100_paged_2026-12-07_s77.json",
+     "STACKS=csa BATCHES=1,8,32 CONTEXTS=131072,1048576 GOLDEN=0 GATES_K=test_indexer_kernel GATES_TIMEOUT=200 "
+     "PAGED_DEADLINE=330 PAGED_TIMEOUT=400 bash bench/gpu.sh gates paged  (python3 bench/paged.py --size flash "
+     "--stacks csa --batches 1,8,32 --contexts 131072,1048576 --query-batches 8 --query-contexts 16384,131072)",
+     H100 + "; pages in a random order over the pool; CSA B = 32 at 1M does not fit the H100's memory",
+     "bbd2b74", paged),
+    ("Paged CSA with each row's pages in order over the pool (as a fresh pool hands them out)",
+     "h100_paged_2026-12-07_s77_in_order.json",
+     "python3 bench/paged.py --size flash --stacks csa --batches 8,32 --contexts 131072 --query-batches 8 "
+     "--query-contexts 1048576 --page-order in-order --deadline-s 200",
+     H100 + "; the same call, just before the next section's run", "bbd2b74 + bench/paged.py's --page-order", paged),
+    ("Paged CSA with the pages in a random order over the pool (the same cells, the same call)",
+     "h100_paged_2026-12-07_s77_random.json",
+     "python3 bench/paged.py --size flash --stacks csa --batches 8,32 --contexts 131072 --query-batches 8 "
+     "--query-contexts 1048576 --page-order random --deadline-s 200",
+     H100 + "; the same call, just after the previous section's run", "bbd2b74 + bench/paged.py's --page-order",
+     paged),
     ("A forked prefix: fork + the suffix's prefill against the whole prompt's prefill",
      "h100_paged_prefix_2026-12-07_s75.json",
      "PAGED_SCENARIO=prefix bash bench/gpu.sh paged  (python3 bench/paged.py --scenario prefix --size flash "

@@ -298,9 +298,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
   if (n_tiles == 0) return;  // uniform across the block
 
-  // Each tile's first key row (keys.Run). A paged pool's is a page-table read: read inside the
-  // tile loop, it stalls that tile's key loads on a global load (bench/RESULTS.md, "Paged
-  // caches"); read here, once a tile, the loop finds it in shared memory.
+  // Each tile's first key row (keys.Run). A paged pool's is a page-table read, done here for
+  // every tile at once so that the tile loop issues key loads only (it did not change the
+  // paged kernel's time on the H100: bench/RESULTS.md, "Paged caches").
   __shared__ int64_t tile_runs[kMmaMaxTiles];
   if constexpr (Keys::kMayMiss) {
     if (tid < n_tiles) tile_runs[tid] = keys.Run(b, first + static_cast<int64_t>(tid) * kMmaEntries, kMmaEntries);

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 
 from bench import paged, plan, results_table  # noqa: E402
 from dsv4_jax.cache.contiguous import init_attention_cache  # noqa: E402
+from dsv4_jax.cache.paged import PagedRows  # noqa: E402
 from dsv4_jax.config import CSA  # noqa: E402
 
 FIELDS = {"cache", "queries_per_step", "stack", "batch", "context_len", "page_size", "per_layer_ms", "step_ms",
@@ -82,6 +83,39 @@ def test_a_profiled_run_records_each_variants_device_time_by_stage(tmp_path):
         assert "sparse_attention" in {s["source"] for s in prof["by_source"]}
         assert r["max_abs_diff_to_contiguous"] == 0.0 and r["total_steps"] == paged.WARM + 2 + 2 + 3
     assert "Device time a step, hca B = 1, ctx 32, S = 1: contiguous" in paged.markdown(records, meta)
+
+def test_the_pages_lie_in_a_random_order_or_row_after_row_and_hold_the_contiguous_values():
+    """--page-order: the paged copy's table is a seeded permutation of the pool ("random") or each
+    row's pages one after another ("in-order", as `reserve_pages` hands a fresh pool out); either
+    way every row reads the contiguous cache's entries."""
+    from bench import stack as stack_mod
+
+    cfg = stack_mod.stack_config("tiny", 2)
+    stack = stack_mod.Stack(cfg, "csa", 2, jnp.float32, 0, "none")
+    batch, max_seq_len, page = 2, 64, 16
+    tables = {}
+    for order in paged.PAGE_ORDERS:
+        contiguous = stack.synthetic_caches(batch, max_seq_len, 40, 0)
+        copies = paged.paged_copies(stack, contiguous, batch, max_seq_len, page, 0, order)
+        tables[order] = np.asarray(copies[0].pages.table)
+        for want, got in zip(contiguous, copies):
+            for part in ("compressor", "indexer"):
+                entries = np.asarray(getattr(want, part).entries)
+                rows = PagedRows(pool=getattr(got, part).entries, table=got.pages.table, slots=entries.shape[1])
+                np.testing.assert_array_equal(np.asarray(rows.view()), entries, err_msg=f"{order} {part}")
+    pages = tables["in-order"].size
+    assert tables["in-order"].tolist() == np.arange(pages).reshape(batch, -1).tolist()
+    assert sorted(tables["random"].ravel().tolist()) == list(range(pages))
+    assert tables["random"].tolist() != tables["in-order"].tolist()
+    records, meta = paged.run(parse("--batches", "1", "--contexts", "32", "--query-batches", "1",
+                                    "--query-contexts", "32", "--queries", "1", "--steps", "1", "--repeats", "1",
+                                    "--page-order", "in-order"))
+    assert meta["page_order"] == "in-order" and all(r["page_order"] == "in-order" for r in records)
+    assert records[1]["max_abs_diff_to_contiguous"] == 0.0
+    assert [row[0] for row in results_table.paged(records)] == [
+        "hca x2, B = 1, 32, S = 1: contiguous", "hca x2, B = 1, 32, S = 1: paged (pages in order)"]
+    assert "(in-order over the pool)" in paged.markdown(records, meta)
+
 
 def test_past_the_deadline_the_cells_are_skipped():
     records, _ = paged.run(parse("--batches", "1", "--contexts", "32", "--query-batches", "1",
