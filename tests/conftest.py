@@ -23,6 +23,22 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
         _fast.append("--xla_cpu_use_fusion_emitters=false")
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_fast]).strip()
 
+# One compilation cache on disk for the whole run: the test files, both pytest-xdist workers
+# and the jobs' subprocesses (notebooks, docs, demo, bench smoke runs: they inherit the
+# environment) compile the same tiny-config steps; each distinct program compiles once a run
+# (docs/DEVELOPING.md, keeping the suite fast). The process that makes the folder (the run's
+# first, before its workers start) removes it at exit. DSV4_TEST_JAX_CACHE=off: no cache.
+if os.environ.get("DSV4_TEST_JAX_CACHE") != "off" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="dsv4-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import gc
 
 import jax
