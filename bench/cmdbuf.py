@@ -110,6 +110,7 @@ def probe(size: str, layers, modes, batch: int, context: int, out_dir: Path | No
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
                         f"--xla_dump_hlo_module_re=.*{STEP_MODULE}.*").strip()
     env["BENCH_DUMP_DIR"] = str(dump)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # XLA must compile (its passes log, its dump) in the child
     cmd = [sys.executable, str(Path(__file__).resolve()), "--size", size, "--layers", ",".join(layers),
            "--modes", ",".join(modes), "--batch", str(batch), "--context", str(context)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -65,6 +65,7 @@ def _dump_flags(argv) -> None:
         where = argv[argv.index("--xla-dump") + 1]
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={where}"
                                    " --xla_dump_hlo_module_re=.*attention_step.*").strip()
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cached program compiles nothing to dump
 
 
 if __name__ == "__main__":

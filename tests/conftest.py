@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 # Compiling dominates this suite: it builds a few hundred small XLA:CPU programs (every layer
@@ -27,8 +28,13 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
 # and the jobs' subprocesses (notebooks, docs, demo, bench smoke runs: they inherit the
 # environment) compile the same tiny-config steps; each distinct program compiles once a run
 # (docs/DEVELOPING.md, keeping the suite fast). The process that makes the folder (the run's
-# first, before its workers start) removes it at exit. DSV4_TEST_JAX_CACHE=off: no cache.
-if os.environ.get("DSV4_TEST_JAX_CACHE") != "off" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# first, before its workers start) removes it at exit. DSV4_TEST_JAX_CACHE=off: no cache. Not
+# where jax's CUDA plugin is installed (the deviceless stage, a GPU box): the deviceless
+# compiles cannot load a cached program (no client), and their census reads XLA's dump, which a
+# loaded program never writes.
+if (os.environ.get("DSV4_TEST_JAX_CACHE") != "off" and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+        and not (importlib.util.find_spec("jax_plugins") is not None
+                 and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)))):
     import atexit
     import shutil
     import tempfile
