@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+import cuda_plugin
 
 # Compiling dominates this suite: it builds a few hundred small XLA:CPU programs (every layer
 # type x break mode x call shape). XLA:CPU keeps IEEE float semantics at every LLVM optimisation
@@ -33,8 +34,7 @@ if os.environ.get("DSV4_TEST_XLA_OPT", "0") != "default" and "optimization_level
 # compiles cannot load a cached program (no client), and their census reads XLA's dump, which a
 # loaded program never writes.
 if (os.environ.get("DSV4_TEST_JAX_CACHE") != "off" and "JAX_COMPILATION_CACHE_DIR" not in os.environ
-        and not (importlib.util.find_spec("jax_plugins") is not None
-                 and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)))):
+        and not cuda_plugin.installed()):
     import atexit
     import shutil
     import tempfile

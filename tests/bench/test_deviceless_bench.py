@@ -7,13 +7,13 @@ The compile itself needs the CUDA plugin (`jax-cuda13-plugin`, no GPU): where it
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import cuda_plugin
 import pytest
 
 from bench import hlo_census
@@ -108,13 +108,7 @@ def test_the_deviceless_table_shows_a_layers_launches_by_stage():
     assert "| decode CSA x4 B=1 16384 | 39.25 | 14.25 | 1 | 5 | 5 | 2 |" in table
 
 
-def _cuda_plugin() -> bool:
-    if importlib.util.find_spec("jax_plugins") is None:
-        return False
-    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
-
-
-@pytest.mark.skipif(_cuda_plugin(), reason="the CUDA plugin is installed here")
+@pytest.mark.skipif(cuda_plugin.installed(), reason="the CUDA plugin is installed here")
 def test_without_the_cuda_plugin_the_error_says_what_to_install():
     from bench import deviceless
 
@@ -122,7 +116,7 @@ def test_without_the_cuda_plugin_the_error_says_what_to_install():
         deviceless.target_device("h200")
 
 
-@pytest.mark.skipif(not _cuda_plugin(), reason="needs jax's CUDA plugin (no GPU): see bench/deviceless.py")
+@pytest.mark.skipif(not cuda_plugin.installed(), reason="needs jax's CUDA plugin (no GPU): see bench/deviceless.py")
 def test_a_decode_step_compiles_for_the_h200_without_one(tmp_path):
     """The tiny CSA stack's decode step, traced as on the H200 and compiled for it (in a process
     of its own: the plugin must start with jax): one command buffer, nothing outside it, launches

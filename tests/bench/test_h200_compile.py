@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 
+import cuda_plugin
 import pytest
 
 import dsv4_jax
 from dsv4_jax import KernelPlan
 
-
-def _cuda_plugin() -> bool:
-    if importlib.util.find_spec("jax_plugins") is None:
-        return False
-    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
-
-
-pytestmark = pytest.mark.skipif(not _cuda_plugin(), reason="needs jax's CUDA plugin (no GPU): see bench/deviceless.py")
+pytestmark = pytest.mark.skipif(not cuda_plugin.installed(),
+                                reason="needs jax's CUDA plugin (no GPU): see bench/deviceless.py")
 
 # The CUDA handlers (csrc/), built where nvcc was found at install.
 NATIVE_CUDA = dsv4_jax.native_info()["cuda"]["built"]
