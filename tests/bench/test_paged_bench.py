@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from bench import paged, plan, results_table  # noqa: E402
 from dsv4_jax.cache.contiguous import init_attention_cache  # noqa: E402
@@ -107,6 +108,8 @@ def test_the_pages_lie_in_a_random_order_or_row_after_row_and_hold_the_contiguou
     assert tables["in-order"].tolist() == np.arange(pages).reshape(batch, -1).tolist()
     assert sorted(tables["random"].ravel().tolist()) == list(range(pages))
     assert tables["random"].tolist() != tables["in-order"].tolist()
+    with pytest.raises(ValueError, match=r"page_order: expected one of \('random', 'in-order'\), got 'sorted'"):
+        paged.paged_copies(stack, contiguous, batch, max_seq_len, page, 0, "sorted")
     records, meta = paged.run(parse("--batches", "1", "--contexts", "32", "--query-batches", "1",
                                     "--query-contexts", "32", "--queries", "1", "--steps", "1", "--repeats", "1",
                                     "--page-order", "in-order"))
