@@ -59,6 +59,11 @@
 #   repro     the same bits in every process? bench/reproducibility.py three times with the defaults,
 #             three times with deterministic=True (REPRO_ARGS), one process after another ->
 #             $OUT/repro_<setting>_<i>.json and the summary $OUT/reproducibility.json
+#   kernels   Nsight Compute on named kernels of one command (ncu's detailed set, clocks left alone): per
+#             regex of NCU_KERNELS (on the demangled names; default the CSA scoring kernel on contiguous
+#             and on paged keys) one launch after NCU_SKIP (default 4: the first step of a 4-layer stack) of
+#             NCU_CMD (default bench/paged.py's CSA cell, B = 8 at 1M, one token a row) without command
+#             buffers -> $OUT/ncu_<i>.ncu-rep, its details $OUT/ncu_<i>.txt and the headline metrics side by side
 #   trainab   the same for the training step: bench/train.py --size flash $TRAIN_ARGS $ARGS_T per variant,
 #             ORDER and the swapped files as in ab -> $OUT/train_ab_<i>_<tag>.json; AUTOTUNE_DUMP=1 also
 #             writes what XLA's autotuner chose in each process -> $OUT/autotune_<i>_<tag>.textproto (the
@@ -300,6 +305,54 @@ paged_scenario() {
     --deadline-s "${PAGED_DEADLINE:-180}" --json "$OUT/$name.json" ${PAGED_ARGS:-} >"$OUT/$name.log" 2>&1
   echo "$name rc=$?"
   if grep -q "^| " "$OUT/$name.log"; then grep "^|" "$OUT/$name.log"; else grep "^$name\|Error" "$OUT/$name.log" | cut -c1-200 | tail -20; fi
+}
+
+kernels() {
+  local ncu_bin cmd i=0 k
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  [ -n "$ncu_bin" ] || { echo "kernels: no ncu on this machine"; return; }
+  cmd=${NCU_CMD:-python3 bench/paged.py --size flash --stacks csa --batches 8 --contexts 1048576 --query-batches 8 \
+    --query-contexts 1048576 --queries 1 --steps 2 --repeats 1}
+  for k in ${NCU_KERNELS:-"ScoreKernelMma<64.*ContiguousRows" "ScoreKernelMma<64.*PagedRows"}; do
+    i=$((i + 1))
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "${NCU_TIMEOUT:-240}" "$ncu_bin" --clock-control none \
+      --kernel-name-base demangled --kernel-name "regex:$k" --launch-skip "${NCU_SKIP:-4}" --launch-count 1 \
+      --kill yes --set detailed -f -o "$OUT/ncu_$i" $cmd >"$OUT/ncu_$i.log" 2>&1
+    echo "ncu $i ($k) rc=$?"; grep "==PROF==\|==ERROR==\|==WARNING==" "$OUT/ncu_$i.log" | head -5
+    "$ncu_bin" --import "$OUT/ncu_$i.ncu-rep" --page details >"$OUT/ncu_$i.txt" 2>&1
+    "$ncu_bin" --import "$OUT/ncu_$i.ncu-rep" --page raw --csv >"$OUT/ncu_$i.csv" 2>&1
+  done
+  # the headline rows of every report, one column per kernel
+  python3 - "$OUT"/ncu_*.txt <<'PY'
+import re, sys
+keys = ("Duration", "Memory Throughput", "DRAM Throughput", "L2 Hit Rate", "L1/TEX Hit Rate", "Achieved Occupancy",
+        "Registers Per Thread", "Executed Ipc Active", "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction",
+        "Executed Instructions", "Mem Busy", "Max Bandwidth", "Block Limit Shared Mem", "Waves Per SM")
+cols = []
+for path in sys.argv[1:]:
+    rows = {}
+    for line in open(path, errors="replace"):
+        m = re.match(r"\s{4}(\S.*?)\s{2,}(\S+)\s+(\S+)\s*$", line)
+        if m and m.group(1) in keys and m.group(1) not in rows:
+            rows[m.group(1)] = f"{m.group(3)} {m.group(2)}"
+    cols.append((path, rows))
+for key in keys:
+    print(f"{key:36s}" + "".join(f"{c[1].get(key, '-'):>22s}" for c in cols))
+# the warps' stall reasons (cycles a warp waits per issued instruction), largest first
+import csv
+stalls = []
+for path, _ in cols:
+    try:
+        head, _units, *values = list(csv.reader(open(path[:-4] + ".csv")))
+    except (OSError, ValueError):
+        head, values = [], []
+    row = dict(zip(head, values[0])) if values else {}
+    pat = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+    stalls.append({m.group(1): float(v.replace(",", "")) for k, v in row.items()
+                   if (m := pat.match(k)) and v.replace(",", "").replace(".", "", 1).isdigit()})
+for reason in sorted(set().union(*stalls), key=lambda r: -max(s.get(r, 0) for s in stalls))[:12]:
+    print(f"stall {reason:30s}" + "".join(f"{s.get(reason, 0):>22.2f}" for s in stalls))
+PY
 }
 
 for cmd in "$@"; do

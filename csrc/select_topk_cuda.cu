@@ -298,6 +298,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
   if (n_tiles == 0) return;  // uniform across the block
 
+  // The queries first: their copies are in flight while a paged pool's table is read.
+  const __nv_bfloat16* q_row = queries + row * kHeads * dim;
+  for (int v = tid; v < kHeads * chunks; v += blockDim.x) {
+    const int h = v / chunks, c = v % chunks;
+    CpAsync16(q_s + h * ld + 8 * c, q_row + h * dim + 8 * c, true);
+  }
+
   // Each tile's first key row (keys.Run). A paged pool's is a page-table read, done here for
   // every tile at once so that the tile loop issues key loads only (it did not change the
   // paged kernel's time on the H100: bench/RESULTS.md, "Paged caches").
@@ -314,11 +321,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
   };
 
-  const __nv_bfloat16* q_row = queries + row * kHeads * dim;
-  for (int v = tid; v < kHeads * chunks; v += blockDim.x) {
-    const int h = v / chunks, c = v % chunks;
-    CpAsync16(q_s + h * ld + 8 * c, q_row + h * dim + 8 * c, true);
-  }
   auto load_tile = [&](int i) {  // dense bf16 keys: cp.async into buffer i & 1
     if constexpr (!kFp4) {
       const int64_t t0 = first + static_cast<int64_t>(i) * kMmaEntries;
@@ -326,13 +328,21 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       // The tile's rows from one address where they are consecutive (contiguous keys; a paged
       // pool's tile on one page: one table lookup a tile, not one a 16-byte load), else each key
       // row's address on its own; a row past `slots` or on a missing page is zero-filled.
+      // Two loops, not one with a per-load choice: the run's loop is then the contiguous
+      // kernel's, load for load.
       const int64_t run = tile_run(i, t0);
-      for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
-        const int e = v / chunks, c = v % chunks;
-        const bool inside = t0 + e < slots;
-        const int64_t key = !inside ? 0 : run >= 0 ? run + e : keys.Row(b, t0 + e);
-        const bool valid = inside && (!Keys::kMayMiss || key >= 0);
-        CpAsync16(dst + e * ld + 8 * c, keys.keys + (valid ? key : 0) * dim + 8 * c, valid);
+      if (!Keys::kMayMiss || run >= 0) {
+        for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
+          const int e = v / chunks, c = v % chunks;
+          const bool inside = t0 + e < slots;
+          CpAsync16(dst + e * ld + 8 * c, keys.keys + (inside ? run + e : 0) * dim + 8 * c, inside);
+        }
+      } else {
+        for (int v = tid; v < kMmaEntries * chunks; v += blockDim.x) {
+          const int e = v / chunks, c = v % chunks;
+          const int64_t key = t0 + e < slots ? keys.Row(b, t0 + e) : -1;
+          CpAsync16(dst + e * ld + 8 * c, keys.keys + (key >= 0 ? key : 0) * dim + 8 * c, key >= 0);
+        }
       }
     }
   };
